@@ -1,0 +1,130 @@
+"""Window-attention backends. The one place where a backend is chosen.
+
+Every backend is a function with the same signature::
+
+    backend(qkv, args) -> out
+
+* ``qkv``: (B, H, W, 3, heads, head_dim), the qkv projection of the block's feature map in image
+  layout (unshifted, unpadded);
+* ``args``: a :class:`WindowAttentionArgs` with the window geometry and parameters;
+* ``out``: (B, H, W, heads, head_dim), softmax(scale q k^T + bias + mask) v for each shifted window,
+  put back in image layout (the block then applies the output projection).
+
+Taking image layout lets a backend fold shift, padding and partition into its own addressing
+(``flash_window``) while the reference backends do them with explicit tensor ops.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .windows import WindowSpec, merge_unpad_unshift, shift_pad_partition
+
+
+class WindowAttentionArgs(NamedTuple):
+    spec: WindowSpec
+    scale: float
+    bias_table: torch.Tensor              # ((2Wh-1)(2Ww-1), heads) relative position bias table
+    rel_index: torch.Tensor               # (L, L) long, index into bias_table
+    attn_mask: torch.Tensor | None        # (num_windows, L, L) 0 / -100, None when unshifted
+    qkv_bias: torch.Tensor | None         # (3, heads, head_dim): q, k, v at padded positions
+
+
+Backend = Callable[[torch.Tensor, WindowAttentionArgs], torch.Tensor]
+
+
+def relative_position_bias(args: WindowAttentionArgs) -> torch.Tensor:
+    """(heads, L, L) bias gathered from the table."""
+    n = args.rel_index.shape[0]
+    return args.bias_table[args.rel_index.reshape(-1)].reshape(n, n, -1).permute(2, 0, 1)
+
+
+def _windows_qkv(qkv: torch.Tensor, args: WindowAttentionArgs) -> tuple[torch.Tensor, ...]:
+    """Shift, pad and partition qkv; returns q, k, v of shape (B * num_windows, heads, L, head_dim)."""
+    windows = shift_pad_partition(qkv, args.spec, args.qkv_bias)  # (BW, L, 3, heads, hd)
+    return windows.permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _windows_to_image(out: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor:
+    """(B * num_windows, heads, L, head_dim) -> (B, H, W, heads, head_dim)."""
+    return merge_unpad_unshift(out.transpose(1, 2), args.spec)
+
+
+def standard_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor:
+    """Explicit math as in official Swin: (scale q) k^T + bias (+ mask), softmax, @ v."""
+    q, k, v = _windows_qkv(qkv, args)
+    heads, n = q.shape[1], q.shape[2]
+    attn = (q * args.scale) @ k.transpose(-2, -1)
+    attn = attn + relative_position_bias(args).unsqueeze(0)
+    if args.attn_mask is not None:
+        num_windows = args.attn_mask.shape[0]
+        attn = attn.view(-1, num_windows, heads, n, n) + args.attn_mask.unsqueeze(1).unsqueeze(0)
+        attn = attn.view(-1, heads, n, n)
+    attn = attn.softmax(dim=-1)
+    return _windows_to_image(attn @ v, args)
+
+
+def sdpa_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor:
+    """torch scaled_dot_product_attention with bias and mask combined into one additive tensor.
+
+    Windows of one image are folded into the head axis, so the combined (num_windows * heads, L, L)
+    mask broadcasts over the batch instead of being materialised per image as timm does.
+    """
+    q, k, v = _windows_qkv(qkv, args)
+    bw, heads, n, hd = q.shape
+    num_windows = args.spec.num_windows
+    bias = relative_position_bias(args).unsqueeze(0)  # 1, heads, L, L
+    if args.attn_mask is not None:
+        bias = bias + args.attn_mask.unsqueeze(1)  # num_windows, heads, L, L
+    else:
+        bias = bias.expand(num_windows, -1, -1, -1)
+    bias = bias.reshape(1, num_windows * heads, n, n).to(q.dtype)
+
+    def fold(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(bw // num_windows, num_windows * heads, n, hd)
+
+    out = F.scaled_dot_product_attention(fold(q), fold(k), fold(v), attn_mask=bias, scale=args.scale)
+    return _windows_to_image(out.reshape(bw, heads, n, hd), args)
+
+
+def flash_window_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor:
+    """The Triton flash window attention kernel (kernels/), shift and partition folded in."""
+    from kernels.flash_window import flash_window_attention_image
+    return flash_window_attention_image(qkv, args.bias_table, args.qkv_bias, args.spec, args.scale)
+
+
+_auto_warned: set[str] = set()
+
+
+def auto_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor:
+    """flash_window on CUDA where the kernel supports the shape, else sdpa (warning once why)."""
+    if qkv.is_cuda:
+        from kernels.flash_window import unsupported_reason
+        reason = unsupported_reason(qkv, args.spec)
+        if reason is None:
+            return flash_window_attention(qkv, args)
+        if reason not in _auto_warned:
+            _auto_warned.add(reason)
+            warnings.warn(f"attention='auto': using sdpa instead of flash_window: {reason}", stacklevel=2)
+    return sdpa_attention(qkv, args)
+
+
+BACKENDS: dict[str, Backend] = {
+    "standard": standard_attention,
+    "sdpa": sdpa_attention,
+    "flash_window": flash_window_attention,
+    "auto": auto_attention,
+}
+
+
+def get_backend(name: str) -> Backend:
+    """The backend function for `name`, with a clear error for unknown names."""
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}") from None

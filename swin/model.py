@@ -1,0 +1,261 @@
+"""Swin Transformer v1 (Liu et al., 2021) with a switchable window-attention backend.
+
+Parameter names, initialisation and numerics follow timm's ``swin_transformer.py`` so that a timm
+state_dict loads with ``strict=True`` and gives the same logits. Features are NHWC inside.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+from timm.layers import ClassifierHead, DropPath, Mlp, PatchEmbed, to_2tuple, trunc_normal_
+
+from .attention import WindowAttentionArgs, get_backend
+from .windows import WindowSpec, clamp_window_and_shift, relative_position_index, shifted_window_mask
+
+
+class WindowAttention(nn.Module):
+    """Multi-head self attention inside (shifted) windows, with relative position bias."""
+
+    def __init__(self, dim: int, num_heads: int, window_size: tuple[int, int], qkv_bias: bool = True,
+                 attention: str = "sdpa"):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.window_size = window_size
+        wh, ww = window_size
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * wh - 1) * (2 * ww - 1), num_heads))
+        self.register_buffer("relative_position_index", relative_position_index(window_size), persistent=False)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        trunc_normal_(self.relative_position_bias_table, std=0.02)
+        self.set_attention(attention)
+
+    def set_attention(self, name: str) -> None:
+        self.attention = name
+        self.backend = get_backend(name)
+
+    def forward(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """x: (B, H, W, C) normalised features -> (B, H, W, C)."""
+        b, h, w, c = x.shape
+        qkv = self.qkv(x).view(b, h, w, 3, self.num_heads, self.head_dim)
+        qkv_bias = None if self.qkv.bias is None else self.qkv.bias.view(3, self.num_heads, self.head_dim)
+        args = WindowAttentionArgs(spec, self.scale, self.relative_position_bias_table,
+                                   self.relative_position_index, attn_mask, qkv_bias)
+        out = self.backend(qkv, args)
+        return self.proj(out.reshape(b, h, w, c))
+
+
+class SwinTransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), with stochastic depth."""
+
+    def __init__(self, dim: int, feat_size: tuple[int, int], num_heads: int, window_size: tuple[int, int],
+                 shift: bool, mlp_ratio: float = 4.0, qkv_bias: bool = True, drop_path: float = 0.0,
+                 attention: str = "sdpa"):
+        super().__init__()
+        self.feat_size = feat_size
+        target_shift = tuple(w // 2 for w in window_size) if shift else (0, 0)
+        # window and shift are fixed at construction from the nominal feature size (timm semantics)
+        self.window_size, self.shift_size = clamp_window_and_shift(feat_size, window_size, target_shift)
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = WindowAttention(dim, num_heads, self.window_size, qkv_bias, attention)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        spec = self.spec_for(feat_size)
+        self.register_buffer("attn_mask", shifted_window_mask(spec), persistent=False)
+
+    def spec_for(self, feat_size: tuple[int, int]) -> WindowSpec:
+        return WindowSpec(feat_size, self.window_size, self.shift_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        spec = self.spec_for((h, w))
+        if spec.feat_size == self.feat_size or self.attn_mask is None:
+            mask = self.attn_mask
+        else:  # another input size (dynamic_img_size): same window and shift, new regions
+            mask = shifted_window_mask(spec, x.device)
+        x = x + self.drop_path1(self.attn(self.norm1(x), spec, mask))
+        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        return x
+
+
+class PatchMerging(nn.Module):
+    """2x2 neighbourhood -> LayerNorm -> Linear(4C, 2C), padding odd sizes like timm."""
+
+    def __init__(self, dim: int, out_dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(4 * dim)
+        self.reduction = nn.Linear(4 * dim, out_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        x = nn.functional.pad(x, (0, 0, 0, w % 2, 0, h % 2))
+        h, w = x.shape[1:3]
+        # timm's channel order (x0, x1, x2, x3) = [(0,0), (1,0), (0,1), (1,1)], needed for its weights
+        x = x.reshape(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 4, 2, 5).flatten(3)
+        return self.reduction(self.norm(x))
+
+
+class SwinTransformerStage(nn.Module):
+    """Optional patch merging (timm places it at the start of stages 1..n), then the blocks."""
+
+    def __init__(self, dim: int, out_dim: int, in_size: tuple[int, int], depth: int, downsample: bool,
+                 num_heads: int, window_size: tuple[int, int], mlp_ratio: float, qkv_bias: bool,
+                 drop_path: Sequence[float], attention: str):
+        super().__init__()
+        self.downsample = PatchMerging(dim, out_dim) if downsample else nn.Identity()
+        self.out_size = tuple((s + 1) // 2 for s in in_size) if downsample else in_size
+        self.grad_checkpointing = False
+        self.blocks = nn.Sequential(*[
+            SwinTransformerBlock(out_dim, self.out_size, num_heads, window_size, shift=i % 2 == 1,
+                                 mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop_path=drop_path[i],
+                                 attention=attention)
+            for i in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.downsample(x)
+        if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+            for block in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            return x
+        return self.blocks(x)
+
+
+class SwinTransformer(nn.Module):
+    """Swin Transformer v1 image classifier."""
+
+    def __init__(
+        self,
+        img_size: int | tuple[int, int] = 224,
+        patch_size: int = 4,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 96,
+        depths: Sequence[int] = (2, 2, 6, 2),
+        num_heads: Sequence[int] = (3, 6, 12, 24),
+        window_size: int | tuple[int, int] = 7,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.1,
+        attention: str = "sdpa",
+        dynamic_img_size: bool = False,
+    ):
+        super().__init__()
+        if len(depths) != len(num_heads):
+            raise ValueError(f"depths {tuple(depths)} and num_heads {tuple(num_heads)} need one entry per stage")
+        get_backend(attention)  # fail early on an unknown name
+        self.img_size = to_2tuple(img_size)
+        self.patch_size = to_2tuple(patch_size)
+        for axis, (i, p) in enumerate(zip(self.img_size, self.patch_size)):
+            if i % p:
+                raise ValueError(f"img_size {self.img_size} is not divisible by patch_size {self.patch_size} "
+                                 f"along axis {axis}; pick an image size that is a multiple of the patch size")
+        self.in_chans = in_chans
+        self.num_classes = num_classes
+        self.dynamic_img_size = dynamic_img_size
+        self.window_size = to_2tuple(window_size)
+        self.num_layers = len(depths)
+        dims = [int(embed_dim * 2 ** i) for i in range(self.num_layers)]
+        self.num_features = dims[-1]
+
+        self.patch_embed = PatchEmbed(img_size=self.img_size, patch_size=self.patch_size, in_chans=in_chans,
+                                      embed_dim=embed_dim, norm_layer=nn.LayerNorm, output_fmt="NHWC",
+                                      strict_img_size=not dynamic_img_size)
+        size = self.patch_embed.grid_size
+        rates = torch.linspace(0, drop_path_rate, sum(depths)).split(list(depths))
+        stages = []
+        for i in range(self.num_layers):
+            stage = SwinTransformerStage(dims[max(i - 1, 0)], dims[i], size, depths[i], downsample=i > 0,
+                                         num_heads=num_heads[i], window_size=self.window_size,
+                                         mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+                                         drop_path=rates[i].tolist(), attention=attention)
+            stages.append(stage)
+            size = stage.out_size
+        self.layers = nn.Sequential(*stages)
+        self.norm = nn.LayerNorm(self.num_features)
+        self.head = ClassifierHead(self.num_features, num_classes, pool_type="avg", drop_rate=drop_rate,
+                                   input_fmt="NHWC")
+        self.apply(_init_weights)
+
+    # --- attention backend -------------------------------------------------------------------
+    @property
+    def attention(self) -> str:
+        return self.layers[0].blocks[0].attn.attention
+
+    def set_attention(self, name: str) -> SwinTransformer:
+        """Switch every block to backend `name` in place; weights are untouched."""
+        get_backend(name)
+        for module in self.modules():
+            if isinstance(module, WindowAttention):
+                module.set_attention(name)
+        return self
+
+    # --- timm-style helpers used by training and fine-tuning ----------------------------------
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return {n for n, _ in self.named_parameters() if "relative_position_bias_table" in n}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict:
+        return dict(stem=r"^patch_embed", blocks=r"^layers\.(\d+)" if coarse else [
+            (r"^layers\.(\d+).downsample", (0,)), (r"^layers\.(\d+)\.\w+\.(\d+)", None), (r"^norm", (99999,))])
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        for stage in self.layers:
+            stage.grad_checkpointing = enable
+
+    def get_classifier(self) -> nn.Module:
+        return self.head.fc
+
+    def reset_classifier(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self.head.reset(num_classes)
+        if isinstance(self.head.fc, nn.Linear):
+            _init_weights(self.head.fc)
+
+    # --- forward ------------------------------------------------------------------------------
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dim() != 4:
+            raise ValueError(f"expected an image batch (B, C, H, W), got a tensor of shape {tuple(x.shape)}")
+        if x.shape[1] != self.in_chans:
+            raise ValueError(f"expected {self.in_chans} input channels, got {x.shape[1]} "
+                             f"(input shape {tuple(x.shape)}); set in_chans or convert the images")
+        size = tuple(x.shape[-2:])
+        if self.dynamic_img_size:
+            if size[0] % self.patch_size[0] or size[1] % self.patch_size[1]:
+                raise ValueError(f"image size {size} is not a multiple of the patch size {self.patch_size}")
+        elif size != self.img_size:
+            raise ValueError(f"image size {size} does not match the model's img_size {self.img_size}; "
+                             f"create the model with img_size={size} (or dynamic_img_size=True)")
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            self._check_input(x)
+        x = self.patch_embed(x)
+        x = self.layers(x)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return self.head(x, pre_logits=True) if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _init_weights(module: nn.Module) -> None:
+    # timm's default for Swin: truncated normal (std 0.02) for linear weights, zero biases
+    if isinstance(module, nn.Linear):
+        trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+__all__ = ["SwinTransformer", "SwinTransformerBlock", "WindowAttention"]

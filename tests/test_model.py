@@ -1,0 +1,133 @@
+"""The model against timm's own Swin: same weights -> same logits and gradients."""
+import pytest
+import timm
+import torch
+
+import swin
+from swin.windows import WindowSpec, merge_unpad_unshift, shift_pad_partition, shifted_window_mask
+
+CASES = [
+    # (timm name, overrides, batch)
+    ("swin_tiny_patch4_window7_224", {}, 2),
+    ("swin_base_patch4_window12_384", {}, 1),
+    ("swin_tiny_patch4_window7_224", {"img_size": (200, 296)}, 2),  # non-square, not window multiples
+]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def twin_models(name: str, overrides: dict, attention: str):
+    ref = timm.create_model(name, pretrained=False, drop_path_rate=0.0, **overrides)
+    ours = swin.create_model(name, attention=attention, drop_path_rate=0.0, **overrides)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    return ours, ref
+
+
+@pytest.mark.parametrize("attention", ["standard", "sdpa"])
+@pytest.mark.parametrize("name,overrides,batch", CASES)
+def test_logits_and_grads_match_timm(name, overrides, batch, attention):
+    ours, ref = twin_models(name, overrides, attention)
+    h, w = ours.img_size
+    x = torch.randn(batch, 3, h, w)
+    probe = torch.randn(batch, 1000)  # random projection: every logit gets a gradient
+    out_ours, out_ref = ours(x), ref(x)
+    assert rel_err(out_ours, out_ref) < 1e-5
+    (out_ours * probe).sum().backward()
+    (out_ref * probe).sum().backward()
+    ref_params = dict(ref.named_parameters())
+    for pname, p in ours.named_parameters():
+        assert p.grad is not None, pname
+        assert rel_err(p.grad, ref_params[pname].grad) < 1e-4, pname
+
+
+def test_param_count_and_names_match_timm():
+    for name in swin.list_models():
+        if name == "swin_micro":
+            continue
+        ours = swin.create_model(name)
+        ref = timm.create_model(name, pretrained=False)
+        assert [n for n, _ in ours.named_parameters()] == [n for n, _ in ref.named_parameters()], name
+        assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in ref.parameters()), name
+        del ours, ref
+    assert sum(p.numel() for p in swin.create_model("swin_tiny_patch4_window7_224").parameters()) == 28_288_354
+
+
+def test_set_attention_switches_in_place():
+    model = swin.create_model("swin_micro", attention="standard").eval()
+    x = torch.randn(3, 3, 16, 16)
+    a = model(x)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    model.set_attention("sdpa")
+    assert model.attention == "sdpa"
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
+    assert rel_err(model(x), a) < 1e-5
+
+
+def test_micro_model_shapes_and_buffers():
+    model = swin.create_model("swin_micro")
+    assert model(torch.randn(2, 3, 16, 16)).shape == (2, 10)
+    keys = model.state_dict().keys()
+    assert not any("relative_position_index" in k or "attn_mask" in k for k in keys)  # non-persistent
+
+
+def test_overrides():
+    model = swin.create_model("swin_tiny_patch4_window7_224", num_classes=7, img_size=(64, 96), window_size=(4, 6),
+                              embed_dim=48, depths=(1, 2), num_heads=(2, 4), patch_size=2, drop_path_rate=0.3)
+    assert model(torch.randn(1, 3, 64, 96)).shape == (1, 7)
+    assert model.layers[1].blocks[1].shift_size == (2, 3)
+    assert model.layers[0].blocks[0].attn.relative_position_bias_table.shape == (7 * 11, 2)
+
+
+def test_dynamic_img_size_matches_fixed_model():
+    # built for 24x20, fed 32x28: same windows and shifts as a model built for 32x28
+    fixed = swin.create_model("swin_micro", img_size=(32, 28)).eval()
+    dynamic = swin.create_model("swin_micro", img_size=(24, 20), dynamic_img_size=True).eval()
+    dynamic.load_state_dict(fixed.state_dict())
+    x = torch.randn(2, 3, 32, 28)
+    assert rel_err(dynamic(x), fixed(x)) < 1e-6
+
+
+def test_window_clamped_when_feature_map_is_small():
+    # 32x32 input, patch 4 -> stage sizes 8, 4, 2, 1 with window 7: timm clamps window and drops the shift
+    ours, ref = twin_models("swin_tiny_patch4_window7_224", {"img_size": 32}, "sdpa")
+    assert ours.layers[1].blocks[1].window_size == (4, 4) and ours.layers[1].blocks[1].shift_size == (0, 0)
+    x = torch.randn(2, 3, 32, 32)
+    assert rel_err(ours(x), ref(x)) < 1e-5
+
+
+def test_shift_pad_partition_round_trip_and_mask():
+    spec = WindowSpec((10, 13), (4, 5), (2, 2))
+    x = torch.randn(2, 10, 13, 3)
+    windows = shift_pad_partition(x, spec, torch.full((3,), 7.0))
+    assert windows.shape == (2 * 3 * 3, 20, 3)
+    assert (windows == 7.0).sum() == 2 * (12 * 15 - 10 * 13) * 3  # every padded position, no other
+    assert torch.equal(merge_unpad_unshift(windows, spec), x)
+    mask = shifted_window_mask(spec)
+    assert mask.shape == (9, 20, 20) and set(mask.unique().tolist()) == {0.0, -100.0}
+    assert (mask[0] == 0).all()  # top-left window lies in one region
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(name="swin_huge"), "unknown model"),
+    (dict(name="swin_micro", attention="fast"), "unknown attention backend"),
+    (dict(name="swin_micro", img_size=15), "not divisible by patch_size"),
+    (dict(name="swin_micro", embed_dim=30, num_heads=(4, 4)), "not divisible by num_heads"),
+    (dict(name="swin_micro", depths=(2, 2, 2)), "one entry per stage"),
+])
+def test_bad_config_errors(bad, match):
+    with pytest.raises(ValueError, match=match):
+        swin.create_model(**bad)
+
+
+def test_bad_input_errors():
+    model = swin.create_model("swin_micro")
+    with pytest.raises(ValueError, match="input channels"):
+        model(torch.randn(1, 1, 16, 16))
+    with pytest.raises(ValueError, match="does not match the model's img_size"):
+        model(torch.randn(1, 3, 32, 16))
+    with pytest.raises(ValueError, match=r"\(B, C, H, W\)"):
+        model(torch.randn(3, 16, 16))
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        model.set_attention("flash")
