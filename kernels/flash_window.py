@@ -1,0 +1,309 @@
+"""PyTorch ops around the flash window attention Triton kernels.
+
+Two ops, both ``torch.library`` custom ops with autograd and fake (meta) kernels, so they run
+inside ``torch.compile(fullgraph=True)`` without graph breaks:
+
+* ``flash_window_attention(q, k, v, bias_table, ...)``: window layout, q/k/v of shape
+  (B * num_windows, heads, L, head_dim), windows of each image in row-major order (what
+  timm's window_partition produces). The shifted-window mask is computed in the kernel from
+  each window's position in its (padded, shifted) image.
+* ``flash_window_attention_image(qkv, bias_table, qkv_bias, spec, scale)``: image layout, reads
+  q/k/v straight from the qkv projection output (B, H, W, 3, heads, head_dim) and writes
+  (B, H, W, heads, head_dim); cyclic shift, padding and window partition/reverse are index
+  arithmetic in the kernel. Its backward writes one (B, H, W, 3, heads, head_dim) gradient.
+
+The relative position bias table gets its gradient in fp32: each program sums the score gradients
+of its windows on chip and writes one (L, L) tile per head; the tiles are summed and scattered into
+the table here (deterministic, no atomics per window and element).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from swin.windows import WindowSpec, relative_position_index
+
+from .flash_window_triton import window_attn_bwd_kernel, window_attn_fwd_kernel
+
+MAX_WINDOW_AREA = 256   # the L x L score tile must fit on chip (16 x 16 windows)
+MAX_HEAD_DIM = 128
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def unsupported_reason(x: torch.Tensor, spec: WindowSpec, head_dim: int | None = None) -> str | None:
+    """Why the kernel cannot take this input (None if it can)."""
+    head_dim = x.shape[-1] if head_dim is None else head_dim
+    if not (x.is_cuda or _interpreting()):
+        return (f"flash_window needs a CUDA tensor (got device {x.device}); use attention='sdpa' on the CPU "
+                "(or set TRITON_INTERPRET=1 before importing triton to run the kernel in the interpreter)")
+    if x.dtype not in SUPPORTED_DTYPES:
+        return f"flash_window supports float16, bfloat16 and float32, not {x.dtype}"
+    if spec.window_area > MAX_WINDOW_AREA:
+        return (f"flash_window supports windows of at most {MAX_WINDOW_AREA} tokens, got "
+                f"{spec.window_size[0]}x{spec.window_size[1]} = {spec.window_area}")
+    if head_dim > MAX_HEAD_DIM:
+        return f"flash_window supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
+    return None
+
+
+def _check(x: torch.Tensor, spec: WindowSpec, head_dim: int) -> None:
+    reason = unsupported_reason(x, spec, head_dim)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: int, device: torch.device) -> dict:
+    block_n = max(16, triton.next_power_of_2(window_area))
+    block_m = block_n if block_n <= 64 else (64 if block_n <= 128 else 32)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if device.type == "cuda":
+        # enough programs per head to fill the chip a few times over; each loops over its windows
+        programs = max(1, min(total_windows, _num_sms(device.index or 0) * 8 // heads))
+    else:  # interpreter: few programs, each looping over windows, keeps CPU tests quick
+        programs = max(1, min(total_windows, 4))
+    return dict(programs=programs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                NUM_M=triton.cdiv(window_area, block_m), num_warps=4 if block_n <= 64 else 8)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(b, y, x, head) strides of a (B, H, W, heads, head_dim) view whose last dim is contiguous."""
+    assert t.stride(-1) == 1
+    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+
+
+class _Geometry:
+    """Launch geometry: addressing images (H, W) of (AGH, AGW) windows shifted by (ASH, ASW), and the
+    mask image of (MGH, MGW) windows with shift (MSH, MSW)."""
+
+    def __init__(self, window: tuple[int, int], feat: tuple[int, int], addr_grid: tuple[int, int],
+                 addr_shift: tuple[int, int], mask_grid: tuple[int, int], mask_shift: tuple[int, int]):
+        self.window, self.feat = window, feat
+        self.addr_grid, self.addr_shift = addr_grid, addr_shift
+        self.mask_grid, self.mask_shift = mask_grid, mask_shift
+
+    def ints(self) -> tuple[int, ...]:
+        return (*self.feat, *self.addr_grid, *self.addr_shift, *self.mask_grid, *self.mask_shift)
+
+
+def _forward(q5, k5, v5, out, table, fill, geo: _Geometry, scale: float) -> None:
+    """Writes out (a (B, H, W, heads, head_dim) view like q5)."""
+    batch, heads, head_dim = q5.shape[0], q5.shape[3], q5.shape[4]
+    wh, ww = geo.window
+    total = batch * geo.addr_grid[0] * geo.addr_grid[1]
+    cfg = _launch_config(total, heads, wh * ww, head_dim, q5.device)
+    table_t = table.detach().t().contiguous()
+    window_attn_fwd_kernel[(cfg["programs"], heads)](
+        q5, k5, v5, *_strides(q5), out, *_strides(out), table_t, fill if fill is not None else table_t,
+        total, wh * ww, table_t.shape[1], *geo.ints(), head_dim, heads, scale,
+        WH=wh, WW=ww, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], NUM_M=cfg["NUM_M"],
+        SHIFTED=any(geo.mask_shift), HAS_FILL=fill is not None,
+        PRECISION="ieee" if q5.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
+
+
+def _backward(q5, k5, v5, do5, dq5, dk5, dv5, table, fill, geo: _Geometry, scale: float):
+    """Writes dq5/dk5/dv5; returns (bias table gradient, fill gradient or None)."""
+    batch, heads, head_dim = q5.shape[0], q5.shape[3], q5.shape[4]
+    wh, ww = geo.window
+    area = wh * ww
+    total = batch * geo.addr_grid[0] * geo.addr_grid[1]
+    cfg = _launch_config(total, heads, area, head_dim, q5.device)
+    table_t = table.detach().t().contiguous()
+    dbias = torch.zeros(cfg["programs"], heads, area, area, dtype=torch.float32, device=q5.device)
+    dfill = torch.zeros(2, heads, head_dim, dtype=torch.float32, device=q5.device) if fill is not None else None
+    window_attn_bwd_kernel[(cfg["programs"], heads)](
+        q5, k5, v5, *_strides(q5), do5, *_strides(do5), dq5, dk5, dv5, *_strides(dq5),
+        table_t, fill if fill is not None else table_t, dbias, dfill if dfill is not None else dbias,
+        total, area, table_t.shape[1], *geo.ints(), head_dim, heads, scale,
+        WH=wh, WW=ww, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], NUM_M=cfg["NUM_M"],
+        SHIFTED=any(geo.mask_shift), HAS_FILL=fill is not None,
+        PRECISION="ieee" if q5.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
+    index = relative_position_index(geo.window, device=q5.device).reshape(-1)
+    dtable = torch.zeros(table.shape, dtype=torch.float32, device=q5.device)
+    dtable.index_add_(0, index, dbias.sum(0).reshape(heads, area * area).t())
+    return dtable.to(table.dtype), (dfill.to(fill.dtype) if dfill is not None else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# window layout op: q, k, v (B * num_windows, heads, L, head_dim)
+
+def _window_geometry(window: list[int], shift: list[int], grid: list[int]) -> _Geometry:
+    return _Geometry(tuple(window), tuple(window), (1, 1), (0, 0), tuple(grid), tuple(shift))
+
+
+def _as_image(t: torch.Tensor, window: list[int]) -> torch.Tensor:
+    """(BW, heads, L, hd) -> a (BW, Wh, Ww, heads, hd) view (no copy unless head_dim is strided)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    bw, heads, _, hd = t.shape
+    s = t.stride()
+    return t.as_strided((bw, window[0], window[1], heads, hd), (s[0], window[1] * s[2], s[2], s[1], 1))
+
+
+@torch.library.custom_op("swin::flash_window_attn", mutates_args=())
+def _window_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_table: torch.Tensor,
+               window: list[int], shift: list[int], grid: list[int], scale: float) -> torch.Tensor:
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    _forward(*(_as_image(t, window) for t in (q, k, v, out)), bias_table, None,
+             _window_geometry(window, shift, grid), scale)
+    return out
+
+
+@_window_op.register_fake
+def _(q, k, v, bias_table, window, shift, grid, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("swin::flash_window_attn_bwd", mutates_args=())
+def _window_op_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   bias_table: torch.Tensor, window: list[int], shift: list[int], grid: list[int],
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    dtable, _ = _backward(*(_as_image(t, window) for t in (q, k, v, grad_out, dq, dk, dv)), bias_table, None,
+                          _window_geometry(window, shift, grid), scale)
+    return dq, dk, dv, dtable
+
+
+@_window_op_bwd.register_fake
+def _(grad_out, q, k, v, bias_table, window, shift, grid, scale):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format), torch.empty_like(bias_table))
+
+
+def _window_setup(ctx, inputs, output):
+    q, k, v, bias_table, window, shift, grid, scale = inputs
+    ctx.save_for_backward(q, k, v, bias_table)
+    ctx.geometry = (window, shift, grid, scale)
+
+
+def _window_grad(ctx, grad_out):
+    q, k, v, bias_table = ctx.saved_tensors
+    dq, dk, dv, dtable = _window_op_bwd(grad_out, q, k, v, bias_table, *ctx.geometry)
+    return dq, dk, dv, dtable, None, None, None, None
+
+
+_window_op.register_autograd(_window_grad, setup_context=_window_setup)
+
+
+def flash_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_table: torch.Tensor,
+                           window_size: tuple[int, int], shift_size: tuple[int, int] = (0, 0),
+                           grid_size: tuple[int, int] = (1, 1), scale: float | None = None) -> torch.Tensor:
+    """softmax(scale q k^T + bias + shifted-window mask) v for windows in window layout.
+
+    q, k, v: (B * num_windows, heads, L, head_dim), L = Wh * Ww, the windows of each image in
+    row-major order over a grid_size = (windows along H, windows along W) padded image.
+    bias_table: ((2Wh-1)(2Ww-1), heads). shift_size: the block's cyclic shift (0, 0: no mask).
+    """
+    wh, ww = window_size
+    bw, heads, area, head_dim = q.shape
+    spec = WindowSpec((grid_size[0] * wh, grid_size[1] * ww), (wh, ww), tuple(shift_size))
+    _check(q, spec, head_dim)
+    if area != wh * ww or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must all be (B * num_windows, heads, {wh * ww}, head_dim) for a {wh}x{ww} "
+                         f"window; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if bw % (grid_size[0] * grid_size[1]):
+        raise ValueError(f"{bw} windows is not a multiple of the {grid_size[0]}x{grid_size[1]} windows per image")
+    if bias_table.shape != ((2 * wh - 1) * (2 * ww - 1), heads):
+        raise ValueError(f"bias_table must be ({(2 * wh - 1) * (2 * ww - 1)}, {heads}), got {tuple(bias_table.shape)}")
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    return _window_op(q, k, v, bias_table, [wh, ww], [int(s) for s in shift_size], list(grid_size), scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# image layout op: qkv (B, H, W, 3, heads, head_dim) -> (B, H, W, heads, head_dim)
+
+def _image_geometry(feat: tuple[int, int], window: list[int], shift: list[int]) -> _Geometry:
+    spec = WindowSpec(tuple(feat), tuple(window), tuple(shift))
+    return _Geometry(spec.window_size, spec.feat_size, spec.grid_size, spec.shift_size,
+                     spec.grid_size, spec.shift_size)
+
+
+def _qkv_views(qkv: torch.Tensor) -> list[torch.Tensor]:
+    return list(qkv.unbind(3))
+
+
+@torch.library.custom_op("swin::flash_window_attn_image", mutates_args=())
+def _image_op(qkv: torch.Tensor, bias_table: torch.Tensor, kv_fill: torch.Tensor | None,
+              window: list[int], shift: list[int], scale: float) -> torch.Tensor:
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    q5, k5, v5 = _qkv_views(qkv)
+    fill = kv_fill.contiguous() if kv_fill is not None else None
+    b, h, w, _, heads, hd = qkv.shape
+    out = qkv.new_empty((b, h, w, heads, hd))
+    _forward(q5, k5, v5, out, bias_table, fill, _image_geometry(qkv.shape[1:3], window, shift), scale)
+    return out
+
+
+@_image_op.register_fake
+def _(qkv, bias_table, kv_fill, window, shift, scale):
+    b, h, w, _, heads, hd = qkv.shape
+    return qkv.new_empty((b, h, w, heads, hd))
+
+
+@torch.library.custom_op("swin::flash_window_attn_image_bwd", mutates_args=())
+def _image_op_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, bias_table: torch.Tensor, kv_fill: torch.Tensor | None,
+                  window: list[int], shift: list[int], scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    fill = kv_fill.contiguous() if kv_fill is not None else None
+    dtable, dfill = _backward(*_qkv_views(qkv), grad_out, *_qkv_views(dqkv), bias_table, fill,
+                              _image_geometry(qkv.shape[1:3], window, shift), scale)
+    if dfill is None:  # custom ops return tensors only; an empty one stands for "no fill"
+        dfill = qkv.new_empty(0)
+    return dqkv, dtable, dfill
+
+
+@_image_op_bwd.register_fake
+def _(grad_out, qkv, bias_table, kv_fill, window, shift, scale):
+    dfill = torch.empty_like(kv_fill) if kv_fill is not None else qkv.new_empty(0)
+    return qkv.new_empty(qkv.shape), torch.empty_like(bias_table), dfill
+
+
+def _image_setup(ctx, inputs, output):
+    qkv, bias_table, kv_fill, window, shift, scale = inputs
+    ctx.save_for_backward(qkv, bias_table, kv_fill)
+    ctx.geometry = (window, shift, scale)
+
+
+def _image_grad(ctx, grad_out):
+    qkv, bias_table, kv_fill = ctx.saved_tensors
+    dqkv, dtable, dfill = _image_op_bwd(grad_out, qkv, bias_table, kv_fill, *ctx.geometry)
+    return dqkv, dtable, (dfill if kv_fill is not None else None), None, None, None
+
+
+_image_op.register_autograd(_image_grad, setup_context=_image_setup)
+
+
+def flash_window_attention_image(qkv: torch.Tensor, bias_table: torch.Tensor, qkv_bias: torch.Tensor | None,
+                                 spec: WindowSpec, scale: float) -> torch.Tensor:
+    """Window attention of a Swin block straight from its qkv projection, in image layout.
+
+    qkv: (B, H, W, 3, heads, head_dim); qkv_bias: (3, heads, head_dim) or None, the value of q/k/v at
+    padded positions (timm pads before the projection). Returns (B, H, W, heads, head_dim).
+    """
+    b, h, w, three, heads, head_dim = qkv.shape
+    _check(qkv, spec, head_dim)
+    if three != 3 or (h, w) != spec.feat_size:
+        raise ValueError(f"qkv must be (B, {spec.feat_size[0]}, {spec.feat_size[1]}, 3, heads, head_dim), "
+                         f"got {tuple(qkv.shape)}")
+    fill = qkv_bias[1:].to(qkv.dtype) if (qkv_bias is not None and spec.padded) else None
+    return _image_op(qkv, bias_table, fill, list(spec.window_size), list(spec.shift_size), float(scale))

@@ -1,0 +1,218 @@
+"""Triton kernels of flash window attention: O = softmax(scale * Q K^T + B + M) V per window and head.
+
+A window holds few tokens (49 for 7x7, 144 for 12x12), so the whole L x L score tile stays on chip:
+Q, K, V are read once and O written once in the forward; the backward recomputes P on chip.
+
+Tokens are addressed in *image layout*: tensors are viewed as (B, H, W, heads, head_dim) and a
+window's token (r, c) is found by undoing the block's cyclic shift and padding in the index
+arithmetic, so no roll / pad / partition copies exist around the kernel. The window layout
+(B * num_windows, heads, L, head_dim) is the special case of images of one window each.
+
+Two geometries per launch:
+* addressing: feature size (H, W), windows per image (AGH, AGW), cyclic shift (ASH, ASW);
+* mask: windows per image (MGH, MGW) and shift (MSH, MSW) of the *padded, shifted* image the
+  shifted-window regions are computed on (official Swin: 3 x 3 regions, -100 across regions).
+In image layout both are the same image; in window layout the addressing images are single windows.
+
+Each program takes one head and a strided set of windows. The relative position bias tile is loaded
+once per program; its gradient is summed over the program's windows on chip and written once per
+program (a small (programs, heads, L, L) buffer, reduced into the table by the caller): no atomics
+per window and element.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _token_geometry(g, offs, L, H, W, WH: tl.constexpr, WW: tl.constexpr,
+                    AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW, s_b, s_y, s_x):
+    """For tokens `offs` of global window g: (address offset, in-window, real (not padding), region)."""
+    r = offs // WW
+    c = offs % WW
+    # addressing: padded-shifted coordinates -> source pixel of the unshifted, unpadded image
+    nwa = AGH * AGW
+    b = g // nwa
+    wa = g % nwa
+    ty = (wa // AGW) * WH + r
+    tx = (wa % AGW) * WW + c
+    inwin = offs < L
+    real = inwin & (ty < H) & (tx < W)
+    sy = (ty + ASH) % H
+    sx = (tx + ASW) % W
+    addr = b.to(tl.int64) * s_b + sy * s_y + sx * s_x
+    # shifted-window regions on the padded, shifted image (timm's slices of the padded size)
+    nwm = MGH * MGW
+    wm = g % nwm
+    my = (wm // MGW) * WH + r
+    mx = (wm % MGW) * WW + c
+    hp = MGH * WH
+    wp = MGW * WW
+    reg_y = tl.where(MSH > 0, (my >= hp - WH).to(tl.int32) + (my >= hp - MSH).to(tl.int32), 0)
+    reg_x = tl.where(MSW > 0, (mx >= wp - WW).to(tl.int32) + (mx >= wp - MSW).to(tl.int32), 0)
+    return addr, inwin, real, reg_y * 3 + reg_x
+
+
+@triton.jit
+def _load_tokens(ptr, addr, real, inwin, h, s_h, offs_d, HD, fill_ptr, HAS_FILL: tl.constexpr):
+    """(tokens, BLOCK_D) tile; padded image tokens take the fill vector (qkv bias), others 0."""
+    dmask = offs_d < HD
+    x = tl.load(ptr + addr[:, None] + h * s_h + offs_d[None, :], mask=real[:, None] & dmask[None, :], other=0.0)
+    if HAS_FILL:
+        fill = tl.load(fill_ptr + h * HD + offs_d, mask=dmask, other=0.0).to(x.dtype)
+        x = tl.where((inwin & (real == 0))[:, None], fill[None, :], x)
+    return x
+
+
+@triton.jit
+def _scores(q, k, bias, reg_m, reg_n, n_ok, scale, SHIFTED: tl.constexpr, PRECISION: tl.constexpr):
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias
+    if SHIFTED:
+        s = s + tl.where(reg_m[:, None] != reg_n[None, :], -100.0, 0.0)
+    return tl.where(n_ok[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _bias_tile(table_ptr, h, T, offs_m, offs_n, L, WH: tl.constexpr, WW: tl.constexpr):
+    """Relative position bias (BLOCK_M, BLOCK_N) gathered from the (heads, T) transposed table."""
+    idx = ((offs_m // WW)[:, None] - (offs_n // WW)[None, :] + WH - 1) * (2 * WW - 1) \
+        + ((offs_m % WW)[:, None] - (offs_n % WW)[None, :] + WW - 1)
+    ok = (offs_m < L)[:, None] & (offs_n < L)[None, :]
+    return tl.load(table_ptr + h * T + idx, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def window_attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h,
+    o_ptr, so_b, so_y, so_x, so_h,
+    table_ptr, fill_ptr,
+    G, L, T, H, W, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW, HD, NH, scale,
+    WH: tl.constexpr, WW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
+    SHIFTED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    nprog = tl.num_programs(0)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HD
+    if NUM_M == 1:  # one query block: bias tile loaded once for all of the program's windows
+        bias0 = _bias_tile(table_ptr, h, T, offs_n, offs_n, L, WH, WW)
+    for g in range(pid, G, nprog):
+        addr_n, inwin_n, real_n, reg_n = _token_geometry(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
+                                                         MGH, MGW, MSH, MSW, sq_b, sq_y, sq_x)
+        k = _load_tokens(k_ptr, addr_n, real_n, inwin_n, h, sq_h, offs_d, HD, fill_ptr, HAS_FILL)
+        v = _load_tokens(v_ptr, addr_n, real_n, inwin_n, h, sq_h, offs_d, HD, fill_ptr + NH * HD, HAS_FILL)
+        for mb in range(NUM_M):
+            offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+            if NUM_M == 1:
+                addr_m, real_m, reg_m = addr_n, real_n, reg_n
+                q = tl.load(q_ptr + addr_m[:, None] + h * sq_h + offs_d[None, :],
+                            mask=real_m[:, None] & dmask[None, :], other=0.0)
+                bias = bias0
+            else:
+                addr_m, inwin_m, real_m, reg_m = _token_geometry(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
+                                                                 MGH, MGW, MSH, MSW, sq_b, sq_y, sq_x)
+                q = tl.load(q_ptr + addr_m[:, None] + h * sq_h + offs_d[None, :],
+                            mask=real_m[:, None] & dmask[None, :], other=0.0)
+                bias = _bias_tile(table_ptr, h, T, offs_m, offs_n, L, WH, WW)
+            s = _scores(q, k, bias, reg_m, reg_n, inwin_n, scale, SHIFTED, PRECISION)
+            m = tl.max(s, 1)
+            p = tl.exp2((s - m[:, None]) * 1.4426950408889634)
+            denom = tl.sum(p, 1)
+            o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION) / denom[:, None]
+            # same token -> same source address in q and o only if strides agree; recompute for o
+            nwa = AGH * AGW
+            b = g // nwa
+            wa = g % nwa
+            sy = ((wa // AGW) * WH + offs_m // WW + ASH) % H
+            sx = ((wa % AGW) * WW + offs_m % WW + ASW) % W
+            o_addr = b.to(tl.int64) * so_b + sy * so_y + sx * so_x
+            tl.store(o_ptr + o_addr[:, None] + h * so_h + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+                     mask=real_m[:, None] & dmask[None, :])
+
+
+@triton.jit
+def window_attn_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h,
+    do_ptr, sdo_b, sdo_y, sdo_x, sdo_h,
+    dq_ptr, dk_ptr, dv_ptr, sdq_b, sdq_y, sdq_x, sdq_h,
+    table_ptr, fill_ptr, dbias_ptr, dfill_ptr,
+    G, L, T, H, W, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW, HD, NH, scale,
+    WH: tl.constexpr, WW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
+    SHIFTED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    nprog = tl.num_programs(0)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HD
+    # this program's slice of the (programs, heads, L, L) bias-gradient buffer
+    dbias_base = dbias_ptr + (pid * NH + h).to(tl.int64) * L * L
+    if NUM_M == 1:
+        bias0 = _bias_tile(table_ptr, h, T, offs_n, offs_n, L, WH, WW)
+        dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dfill_k = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    dfill_v = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for g in range(pid, G, nprog):
+        addr_n, inwin_n, real_n, reg_n = _token_geometry(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
+                                                         MGH, MGW, MSH, MSW, sq_b, sq_y, sq_x)
+        k = _load_tokens(k_ptr, addr_n, real_n, inwin_n, h, sq_h, offs_d, HD, fill_ptr, HAS_FILL)
+        v = _load_tokens(v_ptr, addr_n, real_n, inwin_n, h, sq_h, offs_d, HD, fill_ptr + NH * HD, HAS_FILL)
+        dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+        dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+        nwa = AGH * AGW
+        b = (g // nwa).to(tl.int64)
+        wa = g % nwa
+        for mb in range(NUM_M):
+            offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+            if NUM_M == 1:
+                real_m, reg_m = real_n, reg_n
+                bias = bias0
+            else:
+                _, _, real_m, reg_m = _token_geometry(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
+                                                      MGH, MGW, MSH, MSW, sq_b, sq_y, sq_x)
+                bias = _bias_tile(table_ptr, h, T, offs_m, offs_n, L, WH, WW)
+            sy = ((wa // AGW) * WH + offs_m // WW + ASH) % H
+            sx = ((wa % AGW) * WW + offs_m % WW + ASW) % W
+            io_mask = real_m[:, None] & dmask[None, :]
+            q = tl.load(q_ptr + (b * sq_b + sy * sq_y + sx * sq_x)[:, None] + h * sq_h + offs_d[None, :],
+                        mask=io_mask, other=0.0)
+            do = tl.load(do_ptr + (b * sdo_b + sy * sdo_y + sx * sdo_x)[:, None] + h * sdo_h + offs_d[None, :],
+                         mask=io_mask, other=0.0)
+            s = _scores(q, k, bias, reg_m, reg_n, inwin_n, scale, SHIFTED, PRECISION)
+            m = tl.max(s, 1)
+            p = tl.exp2((s - m[:, None]) * 1.4426950408889634)
+            p = p / tl.sum(p, 1)[:, None]
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - tl.sum(p * dp, 1)[:, None])  # gradient of the scores (= of bias + mask)
+            dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+            tl.store(dq_ptr + (b * sdq_b + sy * sdq_y + sx * sdq_x)[:, None] + h * sdq_h + offs_d[None, :],
+                     dq.to(dq_ptr.dtype.element_ty), mask=io_mask)
+            if NUM_M == 1:
+                dbias_acc += ds
+            else:  # the program owns its slice: plain read-add-write, no atomics
+                ptrs = dbias_base + offs_m[:, None] * L + offs_n[None, :]
+                ok = (offs_m < L)[:, None] & (offs_n < L)[None, :]
+                tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + ds, mask=ok)
+        dk = dk * scale
+        sy_n = ((wa // AGW) * WH + offs_n // WW + ASH) % H
+        sx_n = ((wa % AGW) * WW + offs_n % WW + ASW) % W
+        kv_addr = (b * sdq_b + sy_n * sdq_y + sx_n * sdq_x)[:, None] + h * sdq_h + offs_d[None, :]
+        kv_mask = real_n[:, None] & dmask[None, :]
+        tl.store(dk_ptr + kv_addr, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(dv_ptr + kv_addr, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+        if HAS_FILL:  # padded tokens hold the qkv bias: their k/v gradients flow to it
+            pad = (inwin_n & (real_n == 0))[:, None]
+            dfill_k += tl.sum(tl.where(pad, dk, 0.0), 0)
+            dfill_v += tl.sum(tl.where(pad, dv, 0.0), 0)
+    if NUM_M == 1:
+        ok = (offs_n < L)[:, None] & (offs_n < L)[None, :]
+        tl.store(dbias_base + offs_n[:, None] * L + offs_n[None, :], dbias_acc, mask=ok)
+    if HAS_FILL:
+        tl.atomic_add(dfill_ptr + h * HD + offs_d, dfill_k, mask=dmask)
+        tl.atomic_add(dfill_ptr + (NH + h) * HD + offs_d, dfill_v, mask=dmask)
