@@ -64,17 +64,27 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: int, device: torch.device) -> dict:
+def _tuning(name: str, default: int) -> int:
+    # SWIN_FW_<NAME> overrides a launch parameter, for tuning sweeps on the GPU
+    return int(os.environ.get(f"SWIN_FW_{name}", default))
+
+
+def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: int, device: torch.device,
+                   backward: bool = False) -> dict:
     block_n = max(16, triton.next_power_of_2(window_area))
     block_m = block_n if block_n <= 64 else (64 if block_n <= 128 else 32)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if device.type == "cuda":
-        # enough programs per head to fill the chip a few times over; each loops over its windows
-        programs = max(1, min(total_windows, _num_sms(device.index or 0) * 8 // heads))
+        # enough programs per head to fill the chip several times over; each loops over its windows
+        # (16 per SM measured best on the H100 for Swin-T stage 1, docs/benchmarks.md)
+        per_sm = _tuning("BWD_PROGRAMS_PER_SM" if backward else "PROGRAMS_PER_SM", 16)
+        programs = max(1, min(total_windows, _num_sms(device.index or 0) * per_sm // heads))
     else:  # interpreter: few programs, each looping over windows, keeps CPU tests quick
         programs = max(1, min(total_windows, 4))
+    warps = _tuning("BWD_WARPS" if backward else "WARPS", 4 if block_n <= 64 else 8)
     return dict(programs=programs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                NUM_M=triton.cdiv(window_area, block_m), num_warps=4 if block_n <= 64 else 8)
+                NUM_M=triton.cdiv(window_area, block_m), num_warps=warps,
+                STAGES=_tuning("BWD_STAGES" if backward else "STAGES", 1))
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -104,12 +114,19 @@ def _forward(q5, k5, v5, out, table, fill, geo: _Geometry, scale: float) -> None
     total = batch * geo.addr_grid[0] * geo.addr_grid[1]
     cfg = _launch_config(total, heads, wh * ww, head_dim, q5.device)
     table_t = table.detach().t().contiguous()
-    window_attn_fwd_kernel[(cfg["programs"], heads)](
+    kernel = window_attn_fwd_kernel[(cfg["programs"], heads)](
         q5, k5, v5, *_strides(q5), out, *_strides(out), table_t, fill if fill is not None else table_t,
         total, wh * ww, table_t.shape[1], *geo.ints(), head_dim, heads, scale,
         WH=wh, WW=ww, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], NUM_M=cfg["NUM_M"],
         SHIFTED=any(geo.mask_shift), HAS_FILL=fill is not None,
-        PRECISION="ieee" if q5.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
+        PRECISION="ieee" if q5.dtype == torch.float32 else "tf32", STAGES=cfg["STAGES"],
+        num_warps=cfg["num_warps"])
+    _report(kernel, cfg)
+
+
+def _report(kernel, cfg: dict) -> None:
+    if os.environ.get("SWIN_FW_DEBUG") and hasattr(kernel, "n_regs"):
+        print(f"[flash_window] {kernel.name}: {kernel.n_regs} registers, {kernel.n_spills} spills, {cfg}")
 
 
 def _backward(q5, k5, v5, do5, dq5, dk5, dv5, table, fill, geo: _Geometry, scale: float):
@@ -118,17 +135,19 @@ def _backward(q5, k5, v5, do5, dq5, dk5, dv5, table, fill, geo: _Geometry, scale
     wh, ww = geo.window
     area = wh * ww
     total = batch * geo.addr_grid[0] * geo.addr_grid[1]
-    cfg = _launch_config(total, heads, area, head_dim, q5.device)
+    cfg = _launch_config(total, heads, area, head_dim, q5.device, backward=True)
     table_t = table.detach().t().contiguous()
     dbias = torch.zeros(cfg["programs"], heads, area, area, dtype=torch.float32, device=q5.device)
     dfill = torch.zeros(2, heads, head_dim, dtype=torch.float32, device=q5.device) if fill is not None else None
-    window_attn_bwd_kernel[(cfg["programs"], heads)](
+    kernel = window_attn_bwd_kernel[(cfg["programs"], heads)](
         q5, k5, v5, *_strides(q5), do5, *_strides(do5), dq5, dk5, dv5, *_strides(dq5),
         table_t, fill if fill is not None else table_t, dbias, dfill if dfill is not None else dbias,
         total, area, table_t.shape[1], *geo.ints(), head_dim, heads, scale,
         WH=wh, WW=ww, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], NUM_M=cfg["NUM_M"],
         SHIFTED=any(geo.mask_shift), HAS_FILL=fill is not None,
-        PRECISION="ieee" if q5.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
+        PRECISION="ieee" if q5.dtype == torch.float32 else "tf32", STAGES=cfg["STAGES"],
+        num_warps=cfg["num_warps"])
+    _report(kernel, cfg)
     index = relative_position_index(geo.window, device=q5.device).reshape(-1)
     dtable = torch.zeros(table.shape, dtype=torch.float32, device=q5.device)
     dtable.index_add_(0, index, dbias.sum(0).reshape(heads, area * area).t())

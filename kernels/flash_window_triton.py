@@ -88,7 +88,7 @@ def window_attn_fwd_kernel(
     G, L, T, H, W, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
-    SHIFTED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr,
+    SHIFTED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -98,7 +98,7 @@ def window_attn_fwd_kernel(
     dmask = offs_d < HD
     if NUM_M == 1:  # one query block: bias tile loaded once for all of the program's windows
         bias0 = _bias_tile(table_ptr, h, T, offs_n, offs_n, L, WH, WW)
-    for g in range(pid, G, nprog):
+    for g in tl.range(pid, G, nprog, num_stages=STAGES):
         addr_n, inwin_n, real_n, reg_n = _token_geometry(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
                                                          MGH, MGW, MSH, MSW, sq_b, sq_y, sq_x)
         k = _load_tokens(k_ptr, addr_n, real_n, inwin_n, h, sq_h, offs_d, HD, fill_ptr, HAS_FILL)
@@ -141,7 +141,7 @@ def window_attn_bwd_kernel(
     G, L, T, H, W, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
-    SHIFTED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr,
+    SHIFTED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -156,7 +156,7 @@ def window_attn_bwd_kernel(
         dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dfill_k = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dfill_v = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for g in range(pid, G, nprog):
+    for g in tl.range(pid, G, nprog, num_stages=STAGES):
         addr_n, inwin_n, real_n, reg_n = _token_geometry(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
                                                          MGH, MGW, MSH, MSW, sq_b, sq_y, sq_x)
         k = _load_tokens(k_ptr, addr_n, real_n, inwin_n, h, sq_h, offs_d, HD, fill_ptr, HAS_FILL)
