@@ -1,0 +1,531 @@
+"""End-to-end Swin throughput: our model (attention standard | sdpa | flash_window) against timm's Swin.
+
+``python scripts/benchmark.py`` (Hydra, configs/benchmark.yaml + configs/grid/) loops over a grid of rows
+(implementation x attention x compile x batch size x precision) and prints ONE side-by-side markdown
+table; it also writes benchmark.json, benchmark.md and a bar chart benchmark.png to ``out_dir``.
+
+Per row, on the same synthetic data (random images and labels, fixed seed):
+
+* inference: ``model.eval()``, ``torch.no_grad()``, forward only;
+* training: a full step: forward and cross-entropy loss under autocast, backward (with a grad scaler for
+  fp16), AdamW step (fused on CUDA), ``zero_grad(set_to_none=True)``;
+* each measured as: warm-up steps (untimed; they include torch.compile), then ``repeats`` x ``timed``
+  steps, synchronised before and after each repeat; images/s is the median over the repeats. Peak memory
+  is ``torch.cuda.max_memory_allocated`` over the timed steps (weights, optimizer state and data included).
+
+Rows: ``ours`` is ``swin.create_model(name, attention=...)``; ``timm`` is timm's own Swin of the same name
+(``timm.create_model``; for names timm does not know, e.g. swin_micro, timm's SwinTransformer class with our
+architecture config), with its SDPA path off (``math``: timm's default, TIMM_FUSED_ATTN=0, explicit
+softmax) or on (``sdpa``: what TIMM_FUSED_ATTN=2 selects). timm reads that switch when an attention module is
+built, so it is set with ``timm.layers.set_fused_attn`` before building and then checked on every
+WindowAttention module (``attn.fused_attn``). Compiled rows use ``torch.compile(model, dynamic=False)``.
+Memory and compiled graphs are freed between rows.
+
+Profiler mode (``profile.enabled=true``) runs a few more steps per row under torch.profiler and reports the
+fraction of step time spent in attention: GPU time of the kernels that belong to attention, per step, divided
+by the wall time per step of the same profiled steps (also: divided by all GPU busy time). A kernel belongs to
+attention if its name matches our kernels (``window_attn_*``), SDPA / softmax kernels (``fmha``,
+``flash_fwd``/``flash_bwd``, ``softmax`` but not ``log_softmax``; inductor names fused kernels after the ops
+they contain), or if the op that launched it, or one of that op's parents, is attention:
+``swin::flash_window*`` (our op, its bias gradient reduction included), ``aten::bmm`` (only attention uses
+batched matmuls here: linears are ``addmm``/``mm``), ``aten::_softmax*``, ``aten::*scaled_dot_product*`` /
+``*_attention*``. The elementwise bias and mask additions of eager math rows are not counted (a lower bound
+for those rows); in compiled rows they are fused into the softmax kernel and counted. On the CPU the same op
+rule is applied to CPU self time.
+
+Examples:
+    python scripts/benchmark.py out_dir=$OUT/bench                          # default grid (Swin-T, b128, bf16)
+    python scripts/benchmark.py grid=quick                                   # eager rows only, ~1 min
+    python scripts/benchmark.py model=swin_base_patch4_window12_384 grid.batch_size=[64]
+    python scripts/benchmark.py profile.enabled=true
+    python scripts/benchmark.py -m model=swin_tiny_patch4_window7_224,swin_base_patch4_window7_224
+    python scripts/benchmark.py model=swin_micro device=cpu grid=smoke      # CPU smoke test
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+# Without CUDA our flash_window kernels run in the Triton interpreter, which must be chosen before anything
+# imports triton (timm does). An explicit TRITON_INTERPRET from the user wins.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import contextlib  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+import hydra  # noqa: E402
+import timm  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig, ListConfig, OmegaConf  # noqa: E402
+
+import swin  # noqa: E402
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# keys of configs/model/*.yaml that describe the architecture (the others: attention, pretrained, ...)
+ARCH_KEYS = ("img_size", "patch_size", "window_size", "embed_dim", "depths", "num_heads", "mlp_ratio",
+             "in_chans", "qkv_bias", "drop_path_rate", "num_classes")
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    impl: str          # ours | timm
+    attention: str     # ours: standard | sdpa | flash_window; timm: math | sdpa
+    compile: bool
+    batch_size: int
+    precision: str     # bf16 | fp16 | fp32
+
+    @property
+    def label(self) -> str:
+        return f"{self.impl} {self.attention}{' +compile' if self.compile else ''} b{self.batch_size} {self.precision}"
+
+
+def _as_list(value: Any) -> list:
+    if isinstance(value, (list, tuple, ListConfig)):
+        return list(value)
+    return [value]
+
+
+def expand_grid(grid: DictConfig) -> list[RowSpec]:
+    """Rows in config order; each entry expands over compile x batch_size x precision."""
+    specs = []
+    for entry in grid.rows:
+        impl, attention = str(entry.impl), str(entry.attention)
+        if impl not in ("ours", "timm"):
+            raise ValueError(f"grid row impl must be 'ours' or 'timm', got {impl!r}")
+        valid = ("standard", "sdpa", "flash_window") if impl == "ours" else ("math", "sdpa")
+        if attention not in valid:
+            raise ValueError(f"grid row attention for {impl} must be one of {valid}, got {attention!r}")
+        for compiled in _as_list(entry.get("compile", [False])):
+            for batch in _as_list(grid.batch_size):
+                for precision in _as_list(grid.precision):
+                    if precision not in PRECISIONS:
+                        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+                    specs.append(RowSpec(impl, attention, bool(compiled), int(batch), str(precision)))
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+
+def architecture(model_cfg: DictConfig) -> tuple[str, dict[str, Any]]:
+    """(name, architecture overrides) from a configs/model/ entry; null values are left to the defaults."""
+    cfg = OmegaConf.to_container(model_cfg, resolve=True)
+    arch = {k: cfg[k] for k in ARCH_KEYS if cfg.get(k) is not None}
+    for key in ("img_size", "window_size", "patch_size", "depths", "num_heads"):
+        if isinstance(arch.get(key), list):
+            arch[key] = tuple(arch[key])
+    return cfg["name"], arch
+
+
+def create_ours(name: str, arch: dict[str, Any], attention: str) -> nn.Module:
+    model = swin.create_model(name, attention=attention, **arch)
+    if model.attention != attention:
+        raise RuntimeError(f"model reports attention {model.attention!r}, wanted {attention!r}")
+    return model
+
+
+def create_timm(name: str, arch: dict[str, Any], fused: bool) -> nn.Module:
+    """timm's Swin with its SDPA path on (TIMM_FUSED_ATTN=2 behaviour) or off; checked on every block."""
+    from timm.layers import set_fused_attn
+    from timm.models.swin_transformer import SwinTransformer, WindowAttention
+
+    # timm's WindowAttention reads the switch in __init__ (use_fused_attn(experimental=True): on only at
+    # level 2, which TIMM_FUSED_ATTN=2 or set_fused_attn(True, experimental=True) selects)
+    set_fused_attn(fused, experimental=fused)
+    try:
+        if timm.is_model(name):
+            model = timm.create_model(name, pretrained=False, **arch)
+        else:  # e.g. swin_micro: timm's class with our architecture config
+            model = SwinTransformer(**{**swin.MODEL_CONFIGS[name], **arch})
+    finally:
+        set_fused_attn(True)  # timm's import-time default (level 1) for anything built later
+    attns = [m for m in model.modules() if isinstance(m, WindowAttention)]
+    flags = {bool(m.fused_attn) for m in attns}
+    if not attns or flags != {fused}:
+        raise RuntimeError(f"timm WindowAttention.fused_attn is {sorted(flags)}, wanted {fused} "
+                           f"(timm {timm.__version__})")
+    return model
+
+
+def create_model(spec: RowSpec, name: str, arch: dict[str, Any]) -> nn.Module:
+    if spec.impl == "ours":
+        return create_ours(name, arch, spec.attention)
+    return create_timm(name, arch, fused=spec.attention == "sdpa")
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def measure(step: Callable[[], object], batch: int, device: torch.device, warmup: int, timed: int,
+            repeats: int) -> dict[str, Any]:
+    """Warm up (first step timed separately: it includes compilation), then median images/s over repeats."""
+    _sync(device)
+    t0 = time.perf_counter()
+    step()
+    _sync(device)
+    first_s = time.perf_counter() - t0
+    for _ in range(max(warmup - 1, 0)):
+        step()
+    _sync(device)
+    _reset_peak(device)
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(timed):
+            step()
+        _sync(device)
+        rates.append(timed * batch / (time.perf_counter() - t0))
+    img_s = statistics.median(rates)
+    return dict(img_s=img_s, step_ms=1e3 * batch / img_s, repeats_img_s=rates, first_step_s=first_s,
+                peak_gib=_peak_gib(device))
+
+
+ATTN_KERNEL_RE = re.compile(r"window_attn_|fmha|flash_fwd|flash_bwd|sdpa|attention|softmax", re.IGNORECASE)
+NOT_ATTN_KERNEL_RE = re.compile(r"log_?softmax", re.IGNORECASE)
+ATTN_OP_RE = re.compile(r"^swin::flash_window|^aten::(bmm|_softmax|_softmax_backward_data)$"
+                        r"|^aten::\w*(scaled_dot_product|_attention)\w*$")
+
+
+def _ancestors(event: Any) -> Iterator[Any]:
+    while event is not None:
+        yield event
+        event = getattr(event, "cpu_parent", None)
+
+
+def _is_attention_kernel(name: str) -> bool:
+    return bool(ATTN_KERNEL_RE.search(name)) and not NOT_ATTN_KERNEL_RE.search(name)
+
+
+def attention_time_us(prof: torch.profiler.profile, device: torch.device) -> dict[str, float]:
+    """Attention time and total time in us over the profiled steps (rule: see the module docstring).
+
+    CUDA: total = all device activity (kernels, memcpy, memset); attention = kernels whose name marks them as
+    attention, plus kernels launched by an attention op (or from inside one). CPU: ops' self CPU time.
+    """
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    attn = total = linked = 0.0
+    if device.type == "cuda":
+        for e in events:
+            if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+                continue
+            duration = e.time_range.end - e.time_range.start
+            total += duration
+            if _is_attention_kernel(e.name):
+                attn += duration
+        for e in events:  # kernels that do not look like attention but were launched by attention ops
+            if e.device_type != DeviceType.CPU or not e.kernels:
+                continue
+            op_is_attn = any(ATTN_OP_RE.search(a.name) for a in _ancestors(e))
+            for k in e.kernels:
+                linked += k.duration
+                if op_is_attn and not _is_attention_kernel(k.name):
+                    attn += k.duration
+    else:
+        for e in events:
+            if e.device_type != DeviceType.CPU or e.is_async:
+                continue
+            total += e.self_cpu_time_total
+            if any(ATTN_OP_RE.search(a.name) for a in _ancestors(e)):
+                attn += e.self_cpu_time_total
+        linked = total
+    return dict(attention_us=attn, total_us=total, linked_us=linked)
+
+
+def profile_attention(step: Callable[[], object], steps: int, device: torch.device,
+                      trace: Path | None) -> dict[str, float | None]:
+    """Profile `steps` steps: attention time per step and its fraction of the (profiled) step time."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    _sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+    t = attention_time_us(prof, device)
+    attn_ms = t["attention_us"] / steps / 1e3
+    busy_ms = t["total_us"] / steps / 1e3
+    return dict(attention_ms_per_step=attn_ms, busy_ms_per_step=busy_ms, profiled_step_ms=wall_ms,
+                attention_frac_of_step=attn_ms / wall_ms,
+                attention_frac_of_busy=attn_ms / busy_ms if busy_ms else None,
+                linked_frac=t["linked_us"] / t["total_us"] if t["total_us"] else None)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, device: torch.device,
+            data: tuple[torch.Tensor, torch.Tensor], out_dir: Path) -> dict[str, Any]:
+    """Inference then training measurements of one row (the caller frees memory afterwards)."""
+    torch.manual_seed(cfg.seed)
+    row: dict[str, Any] = asdict(spec)
+    model = create_model(spec, name, arch).to(device)
+    if spec.impl == "timm":
+        row["timm_fused_attn"] = bool(model.layers[0].blocks[0].attn.fused_attn)
+    else:
+        row["our_attention"] = model.attention
+    row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+    run = torch.compile(model, mode=cfg.compile_mode, dynamic=False) if spec.compile else model
+    x_all, y_all = data
+    x, y = x_all[:spec.batch_size], y_all[:spec.batch_size]
+    dtype = PRECISIONS[spec.precision]
+
+    def amp() -> contextlib.AbstractContextManager:
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
+
+    def infer_step() -> torch.Tensor:
+        with torch.no_grad(), amp():
+            return run(x)
+
+    fused = device.type == "cuda" if cfg.optimizer.fused == "auto" else bool(cfg.optimizer.fused)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay,
+                            fused=fused)
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    last_loss: list[torch.Tensor] = []
+
+    def train_step() -> None:
+        with amp():
+            loss = F.cross_entropy(run(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        last_loss[:] = [loss.detach()]
+
+    steps = cfg.steps
+    profile = cfg.profile
+    trace_dir = out_dir / "traces" if profile.trace else None
+    slug = re.sub(r"[^\w]+", "_", spec.label)
+    for mode, step in (("infer", infer_step), ("train", train_step)):
+        model.train(mode == "train")
+        result = measure(step, spec.batch_size, device, steps.warmup, steps.timed, steps.repeats)
+        if profile.enabled:
+            trace = trace_dir / f"{slug}_{mode}.json" if trace_dir else None
+            result.update(profile_attention(step, profile.steps, device, trace))
+        row.update({f"{mode}_{k}": v for k, v in result.items()})
+    row["train_loss"] = last_loss[0].float().item()
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def add_comparisons(rows: list[dict[str, Any]]) -> None:
+    """Speedups vs the best timm row and memory vs the fastest timm training row, per (batch, precision)."""
+    ok = [r for r in rows if "error" not in r and "skipped" not in r]
+    for r in ok:
+        peers = [p for p in ok if p["impl"] == "timm" and p["batch_size"] == r["batch_size"]
+                 and p["precision"] == r["precision"]]
+        if not peers:
+            continue
+        best_infer = max(p["infer_img_s"] for p in peers)
+        fastest_train = max(peers, key=lambda p: p["train_img_s"])
+        r["infer_speedup_vs_best_timm"] = r["infer_img_s"] / best_infer
+        r["train_speedup_vs_best_timm"] = r["train_img_s"] / fastest_train["train_img_s"]
+        if r.get("train_peak_gib") and fastest_train.get("train_peak_gib"):
+            r["train_mem_vs_fastest_timm"] = r["train_peak_gib"] / fastest_train["train_peak_gib"]
+
+
+def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
+    cols = ["implementation", "attention", "compile", "batch", "precision", "infer img/s", "train img/s",
+            "infer peak GiB", "train peak GiB", "infer x best timm", "train x best timm", "train mem / fastest timm"]
+    if profiled:
+        cols += ["attn % infer step", "attn % train step"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        head = [r["impl"], r["attention"], "yes" if r["compile"] else "no", str(r["batch_size"]), r["precision"]]
+        if "error" in r or "skipped" in r:
+            lines.append("| " + " | ".join(head + [r.get("error") or r["skipped"]] + ["-"] * (len(cols) - 6)) + " |")
+            continue
+        cells = head + [
+            f"{r['infer_img_s']:,.0f}" if r["infer_img_s"] >= 100 else f"{r['infer_img_s']:.3g}",
+            f"{r['train_img_s']:,.0f}" if r["train_img_s"] >= 100 else f"{r['train_img_s']:.3g}",
+            _fmt(r.get("infer_peak_gib"), ".2f"), _fmt(r.get("train_peak_gib"), ".2f"),
+            _fmt(r.get("infer_speedup_vs_best_timm"), ".2f"), _fmt(r.get("train_speedup_vs_best_timm"), ".2f"),
+            _fmt(r.get("train_mem_vs_fastest_timm"), ".2f")]
+        if profiled:
+            cells += [_fmt(100 * r["infer_attention_frac_of_step"] if r.get("infer_attention_frac_of_step")
+                           is not None else None, ".1f"),
+                      _fmt(100 * r["train_attention_frac_of_step"] if r.get("train_attention_frac_of_step")
+                           is not None else None, ".1f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def save_chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r and "skipped" not in r]
+    if not ok:
+        return
+    labels = [RowSpec(r["impl"], r["attention"], r["compile"], r["batch_size"], r["precision"]).label for r in ok]
+    colors = ["tab:orange" if r["impl"] == "ours" else "tab:blue" for r in ok]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * len(ok) + 1.6), sharey=True)
+    for ax, key, name in zip(axes, ("infer_img_s", "train_img_s"), ("inference", "training step")):
+        values = [r[key] for r in ok]
+        bars = ax.barh(range(len(ok)), values, color=colors)
+        ax.bar_label(bars, labels=[f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in values], padding=3, fontsize=8)
+        ax.set_title(f"{name} (images/s)")
+        ax.set_xlim(0, max(values) * 1.2)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(ok)), labels, fontsize=8)
+    axes[0].invert_yaxis()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import triton
+    env = dict(torch=torch.__version__, timm=timm.__version__, triton=triton.__version__,
+               python=platform.python_version(), device=str(device),
+               triton_interpret=os.environ.get("TRITON_INTERPRET", "0"),
+               timm_fused_attn_env=os.environ.get("TIMM_FUSED_ATTN"))
+    if device.type == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
+    else:
+        env.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    return env
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but CUDA is not available; use device=cpu")
+    return device
+
+
+def write_outputs(out_dir: Path, result: dict[str, Any], table: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "benchmark.json").write_text(json.dumps(result, indent=2, default=str))
+    (out_dir / "benchmark.md").write_text(table + "\n")
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="benchmark")
+def main(cfg: DictConfig) -> dict[str, Any]:
+    started = time.perf_counter()
+    device = resolve_device(cfg.device)
+    if cfg.tf32:  # fp32 rows only; torch's default keeps full fp32 matmuls
+        torch.set_float32_matmul_precision("high")
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
+    name, arch = architecture(cfg.model)
+    specs = expand_grid(cfg.grid)
+    env = environment(device)
+    probe = swin.create_model(name, **arch)
+    img_size, in_chans, num_classes = probe.img_size, probe.in_chans, probe.num_classes
+    del probe
+    title = (f"{name} {img_size[0]}x{img_size[1]} on {env.get('gpu', env.get('cpu'))}: torch {env['torch']}, "
+             f"timm {env['timm']}, triton {env['triton']}")
+    print(f"# {title}")
+    print(f"{len(specs)} rows; warm-up {cfg.steps.warmup}, {cfg.steps.repeats} x {cfg.steps.timed} timed steps; "
+          f"output: {out_dir}", flush=True)
+
+    # the same synthetic data for every row: the largest batch, sliced per row
+    g = torch.Generator().manual_seed(cfg.seed)
+    max_batch = max(s.batch_size for s in specs)
+    x = torch.randn(max_batch, in_chans, *img_size, generator=g).to(device)
+    y = torch.randint(0, num_classes, (max_batch,), generator=g).to(device)
+
+    rows: list[dict[str, Any]] = []
+    result: dict[str, Any] = dict(model=name, img_size=list(img_size), env=env,
+                                  config=OmegaConf.to_container(cfg, resolve=True), rows=rows)
+    for i, spec in enumerate(specs):
+        elapsed = time.perf_counter() - started
+        if cfg.time_budget_s and elapsed > cfg.time_budget_s:
+            rows.append({**asdict(spec), "skipped": f"time budget ({cfg.time_budget_s} s) spent"})
+            print(f"[{i + 1}/{len(specs)}] {spec.label}: skipped (time budget)", flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            row = run_row(spec, name, arch, cfg, device, (x, y), out_dir)
+        except Exception as e:  # OOM, unsupported backend on this device, ...: keep the other rows
+            message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            row = {**asdict(spec), "error": f"{type(e).__name__}: {message}"[:200]}
+        _free(device)
+        row["row_s"] = time.perf_counter() - t0
+        rows.append(row)
+        if "error" in row:
+            print(f"[{i + 1}/{len(specs)}] {spec.label}: ERROR {row['error']}", flush=True)
+        else:
+            print(f"[{i + 1}/{len(specs)}] {spec.label}: infer {row['infer_img_s']:,.1f} img/s, "
+                  f"train {row['train_img_s']:,.1f} img/s, peak {_fmt(row['train_peak_gib'], '.2f')} GiB "
+                  f"({row['row_s']:.0f} s, first train step {row['train_first_step_s']:.1f} s)", flush=True)
+        add_comparisons(rows)
+        write_outputs(out_dir, result, markdown_table(rows, cfg.profile.enabled))  # partial results survive
+
+    add_comparisons(rows)
+    table = markdown_table(rows, cfg.profile.enabled)
+    result["table"] = table
+    result["total_s"] = time.perf_counter() - started
+    write_outputs(out_dir, result, f"# {title}\n\n{table}")
+    save_chart(rows, out_dir / "benchmark.png", title)
+    print()
+    print(table)
+    print("\ntimm math: its default path (TIMM_FUSED_ATTN=0, explicit softmax); timm sdpa: TIMM_FUSED_ATTN=2. "
+          "x best timm: vs the best timm row of the same batch and precision; train mem: vs the fastest timm "
+          "training row.")
+    if cfg.profile.enabled:
+        print("attn %: attention GPU time per step / wall time per step, both while profiling.")
+    print(f"wrote {out_dir / 'benchmark.json'}, benchmark.md, benchmark.png ({result['total_s']:.0f} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
