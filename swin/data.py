@@ -204,7 +204,9 @@ def collate_dropping_corrupt(batch: list) -> tuple[torch.Tensor, torch.Tensor, i
     """default_collate of the readable samples, plus how many unreadable ones (None) were dropped."""
     kept = [b for b in batch if b is not None]
     if not kept:
-        raise CorruptImageError(f"all {len(batch)} images of a batch were unreadable; check data.root")
+        # an empty batch would desynchronise the processes of a DDP step
+        raise CorruptImageError(f"all {len(batch)} images of a batch were unreadable (data.skip_corrupt drops "
+                                "only some images of a batch); check the image files under data.root")
     x, y = default_collate(kept)
     return x, y, len(batch) - len(kept)
 

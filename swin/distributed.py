@@ -5,6 +5,7 @@ calls them unconditionally.
 """
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -94,9 +95,13 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 
 def all_gather_object(obj: Any) -> list[Any]:
-    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    """[obj of rank 0, obj of rank 1, ...] on every rank (obj may contain tensors)."""
     if not _active():
         return [obj]
+    # torch.save to bytes first: all_gather_object's own pickling of tensors fails on some torch
+    # versions (2.14: "UntypedStorage has no attribute dtype"); bytes always travel
+    buf = io.BytesIO()
+    torch.save(obj, buf)
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    dist.all_gather_object(out, buf.getvalue())
+    return [torch.load(io.BytesIO(b), weights_only=False) for b in out]  # from our own processes

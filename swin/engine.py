@@ -23,7 +23,7 @@ from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
-from timm.utils import ModelEmaV3, accuracy, dispatch_clip_grad
+from timm.utils import ModelEmaV3, dispatch_clip_grad
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -74,6 +74,9 @@ def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None
         raise ConfigError(f"unknown model {m.name!r}; use model=<{'|'.join(sorted(MODEL_CONFIGS))}>")
     if t.epochs < 1:
         raise ConfigError(f"train.epochs={t.epochs}: set train.epochs to 1 or more")
+    if t.warmup_epochs >= t.epochs:
+        raise ConfigError(f"train.warmup_epochs={t.warmup_epochs} leaves no epoch after warm-up "
+                          f"(train.epochs={t.epochs}); lower train.warmup_epochs")
     if t.accum_steps < 1:
         raise ConfigError(f"train.accum_steps={t.accum_steps}: set it to 1 or more")
     per_update = world_size * t.accum_steps
@@ -168,11 +171,11 @@ def evaluate(model: nn.Module, loader: Any, device: torch.device, autocast: Any)
             with autocast:
                 out = model(x)
             out = out.float()
-            top1, top5 = accuracy(out, y, topk=(1, min(5, out.shape[1])))
-            n = y.shape[0]
-            totals += torch.tensor([top1.item() * n / 100, top5.item() * n / 100,
-                                    nn.functional.cross_entropy(out, y, reduction="sum").item(), n],
-                                   dtype=torch.float64, device=device)
+            hits = out.topk(min(5, out.shape[1]), dim=1).indices.eq(y[:, None])  # (B, k), sorted by score
+            # accumulate on the device: no host sync per batch
+            totals += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(),
+                                   nn.functional.cross_entropy(out, y, reduction="sum"),
+                                   torch.tensor(y.shape[0], device=device)]).double()
     all_reduce_sum(totals)
     model.train(was_training)
     c1, c5, loss, n = totals.tolist()
@@ -182,7 +185,11 @@ def evaluate(model: nn.Module, loader: Any, device: torch.device, autocast: Any)
 # --- the training run --------------------------------------------------------------------------
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Train as `cfg` says, writing into run_dir; returns the summary (also summary.json on rank 0)."""
-    check_config(cfg, env_world_size(), pick_device(cfg.device))
+    try:
+        device = pick_device(cfg.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check_config(cfg, env_world_size(), device)
     dist = init_distributed(cfg.device)
     # every rank uses rank 0's run directory (timestamps in hydra.run.dir may differ between ranks)
     run_dir = Path(broadcast_object(str(Path(run_dir).resolve())))
