@@ -1,0 +1,78 @@
+"""Shared helpers of the training tests: composing configs, running train in-process or as a CLI."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+
+REPO = Path(__file__).resolve().parents[1]
+# quiet and fast: no wandb, no progress bar, no periodic epoch checkpoints
+FAST = ["logger.wandb.mode=disabled", "logger.progress=false", "train.save_every_epochs=0"]
+# deterministic small runs: fp32, no stochastic depth, a subset of digits (no augmentation by default)
+DET = [*FAST, "train.amp=fp32", "model.drop_path_rate=0.0", "data.train_limit=192",
+       "data.val_limit=96", "train.batch_size=32", "train.warmup_epochs=0", "train.epochs=2"]
+
+
+def make_cfg(*overrides: str) -> Any:
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def train_inprocess(run_dir: Path, *overrides: str) -> dict[str, Any]:
+    from swin.engine import train
+    return train(make_cfg(*overrides), run_dir)
+
+
+def model_weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def cli_env() -> dict[str, str]:
+    # loopback only for gloo; one thread per process so two processes do not fight over 2 cores
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=cli_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(*args: str, nproc: int, nnodes: int = 1, node_rank: int = 0, port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}", "train.py", *args]
+
+
+class CrashOrNaN:
+    """Wrap swin.create_model so that chosen training forward calls return NaN or raise (a crash)."""
+
+    def __init__(self, nan_calls: set[int] | None = None, nan_from: int | None = None, crash_at: int | None = None):
+        self.nan_calls, self.nan_from, self.crash_at = nan_calls or set(), nan_from, crash_at
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        import swin
+        model = swin.create_model(*args, **kwargs)
+        model.register_forward_hook(self._hook)
+        return model
+
+    def _hook(self, module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        if not module.training:
+            return output
+        self.calls += 1
+        if self.crash_at is not None and self.calls == self.crash_at:
+            raise RuntimeError("simulated crash")
+        if self.calls in self.nan_calls or (self.nan_from is not None and self.calls >= self.nan_from):
+            return output * float("nan")
+        return output

@@ -1,0 +1,87 @@
+"""train.py under bad conditions: non-finite losses, unreadable images, wrong configs."""
+import json
+
+import pytest
+import torch
+from _train_utils import DET, CrashOrNaN, make_cfg, model_weights, run_cli, train_inprocess
+from PIL import Image
+
+from swin.data import CorruptImageError
+from swin.engine import ConfigError, NonFiniteLossError, train
+
+
+def _all_finite(state_dict):
+    return all(torch.isfinite(v).all() for v in state_dict.values() if v.is_floating_point())
+
+
+def test_non_finite_loss_skips_the_step_and_counts_it(tmp_path, monkeypatch):
+    monkeypatch.setattr("swin.engine.create_model", CrashOrNaN(nan_calls={2, 5, 9}))
+    summary = train_inprocess(tmp_path, *DET)
+    assert summary["nonfinite_steps"] == 3 and summary["epochs"] == 2
+    # had a NaN update gone through, the weights would be NaN (and the save would have refused)
+    assert _all_finite(model_weights(tmp_path / "checkpoints/last.pt"))
+    assert "non-finite loss" in (tmp_path / "train.log").read_text()
+
+
+def test_non_finite_losses_in_a_row_stop_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr("swin.engine.create_model", CrashOrNaN(nan_from=4))
+    with pytest.raises(NonFiniteLossError, match=r"3 updates in a row.*train.lr"):
+        train_inprocess(tmp_path, *DET, "train.max_nonfinite=3", "train.save_every_steps=1")
+    saved = list((tmp_path / "checkpoints").glob("*.pt"))
+    assert saved and all(_all_finite(model_weights(p)) for p in saved)
+    assert torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)["global_step"] <= 5
+
+
+def _image_folder(root, corrupt: bool):
+    for split, n in (("train", 8), ("val", 4)):
+        for c, colour in enumerate(("red", "blue")):
+            d = root / split / f"class{c}"
+            d.mkdir(parents=True)
+            for i in range(n):
+                Image.new("RGB", (20, 20), colour).save(d / f"{i}.png")
+    if corrupt:
+        (root / "train/class0/garbage.png").write_bytes(b"this is not an image")
+        good = (root / "train/class1/0.png").read_bytes()
+        (root / "train/class1/truncated.png").write_bytes(good[: len(good) // 2])
+
+
+FOLDER = [*DET, "data=imagefolder", "data.num_workers=1", "train.batch_size=4", "train.epochs=1"]
+
+
+def test_corrupt_image_error_names_the_file(tmp_path):
+    _image_folder(tmp_path / "data", corrupt=True)
+    with pytest.raises(CorruptImageError, match=r"(garbage|truncated)\.png.*data\.skip_corrupt=true"):
+        train_inprocess(tmp_path / "run", *FOLDER, f"data.root={tmp_path / 'data'}")
+
+
+def test_corrupt_images_skipped_and_counted(tmp_path):
+    _image_folder(tmp_path / "data", corrupt=True)
+    summary = train_inprocess(tmp_path / "run", *FOLDER, f"data.root={tmp_path / 'data'}", "data.skip_corrupt=true",
+                              "train.epochs=2")
+    assert summary["skipped_images"] == 4  # 2 unreadable files x 2 epochs
+    assert json.loads((tmp_path / "run/summary.json").read_text())["skipped_images"] == 4
+    assert summary["final_top1"] == 100.0  # red vs blue
+
+
+@pytest.mark.parametrize("override, fix", [
+    ("model.window_size=16", r"model.window_size<=8"),
+    ("train.accum_steps=3", r"multiple of 3"),
+    ("model.attention=flash_window", r"model.attention=auto"),
+    ("train.amp=fp8", r"use auto, bf16, fp16 or fp32"),
+])
+def test_wrong_config_fails_before_training(tmp_path, override, fix):
+    with pytest.raises(ConfigError, match=fix):
+        train(make_cfg(*DET, "device=cpu", override), tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_cli_unknown_key_names_the_fix(tmp_path):
+    r = run_cli(f"hydra.run.dir={tmp_path}", "train.epochz=3")
+    assert r.returncode != 0 and "+train.epochz=3" in r.stderr  # hydra's struct mode tells how to add a key
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_cli_config_error_is_a_message_not_a_traceback(tmp_path):
+    r = run_cli(f"hydra.run.dir={tmp_path}", "train.batch_size=30", "train.accum_steps=4")
+    assert r.returncode == 2
+    assert "error: train.batch_size=30 is not divisible" in r.stderr and "Traceback" not in r.stderr
