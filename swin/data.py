@@ -61,11 +61,20 @@ def digits_datasets(cfg: Any, img_size: tuple[int, int]) -> Datasets:
     y = torch.tensor(digits.target, dtype=torch.long)
     x = F.interpolate(x, size=img_size, mode="bilinear", align_corners=False)
     x = ((x - x.mean()) / x.std()).expand(-1, 3, -1, -1).contiguous()
+    num_classes = 10
+    if cfg.get("classes") is not None:  # a subset of the digits (e.g. pretrain / fine-tune splits), relabelled
+        classes = [int(c) for c in cfg.classes]
+        if not classes or len(set(classes)) != len(classes) or not set(classes) <= set(range(10)):
+            raise ValueError(f"data.classes={list(cfg.classes)}: give distinct digits 0-9, e.g. data.classes=[0,1,2]")
+        keep = torch.isin(y, torch.tensor(classes))
+        relabel = torch.full((10,), -1, dtype=torch.long)
+        relabel[torch.tensor(classes)] = torch.arange(len(classes))  # label i = the i-th digit listed
+        x, y, num_classes = x[keep], relabel[y[keep]], len(classes)
     idx_train, idx_val = train_test_split(torch.arange(len(y)).numpy(), test_size=cfg.val_fraction,
                                           random_state=cfg.split_seed, stratify=y.numpy())
     idx_train, idx_val = torch.from_numpy(idx_train), torch.from_numpy(idx_val)
     return Datasets(TensorImageDataset(x[idx_train], y[idx_train], shift=cfg.get("shift", 0)),
-                    TensorImageDataset(x[idx_val], y[idx_val]), num_classes=10)
+                    TensorImageDataset(x[idx_val], y[idx_val]), num_classes=num_classes)
 
 
 class CheckedImageFolder(Dataset):
