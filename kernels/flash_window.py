@@ -50,6 +50,10 @@ def unsupported_reason(x: torch.Tensor, spec: WindowSpec, head_dim: int | None =
                 f"{spec.window_size[0]}x{spec.window_size[1]} = {spec.window_area}")
     if head_dim > MAX_HEAD_DIM:
         return f"flash_window supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
+    if spec.window_area > 128 and head_dim > 64:
+        # K and V of the whole window live in shared memory: 256-token tiles of 128 channels do not fit
+        return (f"flash_window supports head_dim up to 64 for windows of more than 128 tokens, got "
+                f"{spec.window_size[0]}x{spec.window_size[1]} windows with head_dim {head_dim}")
     return None
 
 
@@ -70,9 +74,11 @@ def _tuning(name: str, default: int) -> int:
 
 
 def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: int, device: torch.device,
-                   backward: bool = False) -> dict:
+                   backward: bool = False, elem_size: int = 2) -> dict:
     block_n = max(16, triton.next_power_of_2(window_area))
     block_m = block_n if block_n <= 64 else (64 if block_n <= 128 else 32)
+    if block_n >= 256 and (elem_size == 4 or head_dim > 64):
+        block_m = 16  # 256-token windows in fp32 or wide heads: stay inside shared memory
     block_d = max(16, triton.next_power_of_2(head_dim))
     if device.type == "cuda":
         # enough programs per head to fill the chip several times over; each loops over its windows
@@ -112,7 +118,7 @@ def _forward(q5, k5, v5, out, table, fill, geo: _Geometry, scale: float) -> None
     batch, heads, head_dim = q5.shape[0], q5.shape[3], q5.shape[4]
     wh, ww = geo.window
     total = batch * geo.addr_grid[0] * geo.addr_grid[1]
-    cfg = _launch_config(total, heads, wh * ww, head_dim, q5.device)
+    cfg = _launch_config(total, heads, wh * ww, head_dim, q5.device, elem_size=q5.element_size())
     table_t = table.detach().t().contiguous()
     kernel = window_attn_fwd_kernel[(cfg["programs"], heads)](
         q5, k5, v5, *_strides(q5), out, *_strides(out), table_t, fill if fill is not None else table_t,
@@ -135,7 +141,7 @@ def _backward(q5, k5, v5, do5, dq5, dk5, dv5, table, fill, geo: _Geometry, scale
     wh, ww = geo.window
     area = wh * ww
     total = batch * geo.addr_grid[0] * geo.addr_grid[1]
-    cfg = _launch_config(total, heads, area, head_dim, q5.device, backward=True)
+    cfg = _launch_config(total, heads, area, head_dim, q5.device, backward=True, elem_size=q5.element_size())
     table_t = table.detach().t().contiguous()
     dbias = torch.zeros(cfg["programs"], heads, area, area, dtype=torch.float32, device=q5.device)
     dfill = torch.zeros(2, heads, head_dim, dtype=torch.float32, device=q5.device) if fill is not None else None

@@ -158,6 +158,9 @@ def test_bad_inputs_raise_clear_errors():
     big = torch.randn(1, 1, 17 * 17, 16, device=DEVICE)
     with pytest.raises(ValueError, match="at most 256 tokens"):
         flash_window_attention(big, big, big, torch.randn(33 * 33, 1, device=DEVICE), (17, 17))
+    big_wide = torch.randn(1, 1, 144, 96, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim up to 64 for windows of more than 128 tokens"):
+        flash_window_attention(big_wide, big_wide, big_wide, torch.randn(23 * 23, 1, device=DEVICE), (12, 12))
     wide = torch.randn(1, 1, 16, 256, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim up to 128"):
         flash_window_attention(wide, wide, wide, torch.randn(49, 1, device=DEVICE), (4, 4))
