@@ -1,0 +1,28 @@
+"""Evaluate a checkpoint: `python eval.py checkpoint=PATH [model=<name>] [data=...]`, or under
+`torchrun --nproc-per-node N eval.py ...`. Configuration: configs/eval.yaml; the loop: swin/evaluate.py.
+"""
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="eval")
+def main(cfg: DictConfig) -> None:
+    import torch
+
+    from swin.checkpoint import CheckpointError
+    from swin.evaluate import overridden_groups, run_eval
+
+    hc = HydraConfig.get()
+    torch.manual_seed(cfg.seed)
+    try:
+        run_eval(cfg, hc.runtime.output_dir, overridden_groups(hc.overrides.task))
+    except (CheckpointError, FileNotFoundError, ValueError) as e:  # expected failures: the message, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

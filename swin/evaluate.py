@@ -1,0 +1,281 @@
+"""Evaluation over a whole validation set: top-1, top-5, loss and images/s, exact under DDP.
+
+Exactness: each process takes every world_size-th sample (``swin.data.ShardSampler``, no padding, so
+no sample is seen twice), counts only what it saw, and the sums are all-reduced. torch's
+``DistributedSampler`` would instead pad the last shard with duplicates, which changes the numbers.
+
+:func:`run_eval` is what ``eval.py`` runs: read the checkpoint, build the model and the validation
+data with the transforms of the pretrained config, evaluate, write a JSON results file.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .distributed import all_reduce_sum
+
+
+def _autocast(device: torch.device, amp: str | None) -> contextlib.AbstractContextManager:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp or "fp32")
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _progress(total: int | None, enabled: bool, desc: str):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="img", disable=not enabled, dynamic_ncols=True, leave=True)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str = "cpu", amp: str | None = None,
+             progress: bool = True, total: int | None = None, desc: str = "eval",
+             channels_last: bool = False) -> dict[str, Any]:
+    """Top-1 / top-5 accuracy (percent), mean cross-entropy loss and images/s of ``model`` on ``loader``.
+
+    ``loader`` yields (images, integer targets[, skipped unreadable images]); under DDP give each process
+    a ``swin.data.ShardSampler`` shard: every sum is all-reduced, so all processes get the whole set's numbers.
+    ``total``: number of images on this process, for the progress bar.
+    ``amp``: None/'fp32', 'bf16' or 'fp16' autocast; logits are upcast to fp32 for loss and ranking.
+    """
+    device = torch.device(device)
+    was_training = model.training
+    model.eval()
+    # sums are float64 so that loss sums over millions of images stay exact enough
+    sums = torch.zeros(5, dtype=torch.float64, device=device)  # correct1, correct5, loss, count, skipped
+    num_classes = None
+    bar = _progress(total, progress, desc)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    try:
+        for batch in loader:
+            images, targets = batch[0], batch[1]
+            if len(batch) > 2:  # swin.data loaders also say how many unreadable images were dropped
+                sums[4] += batch[2]
+            images = images.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            if channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            with _autocast(device, amp):
+                logits = model(images)
+            logits = logits.float()
+            num_classes = logits.shape[-1]
+            if targets.min() < 0 or targets.max() >= num_classes:
+                raise ValueError(f"targets in [{int(targets.min())}, {int(targets.max())}] do not fit a model "
+                                 f"with {num_classes} classes; set model.num_classes to the dataset's class count")
+            k = min(5, num_classes)
+            top = logits.topk(k, dim=-1).indices
+            hit = top.eq(targets[:, None])
+            sums[0] += hit[:, 0].sum()
+            sums[1] += hit.any(dim=-1).sum()
+            sums[2] += F.cross_entropy(logits, targets, reduction="sum").double()
+            sums[3] += targets.numel()
+            bar.update(targets.numel())
+            if bar.n and not bar.disable:
+                c = max(sums[3].item(), 1)
+                bar.set_postfix(top1=f"{100 * sums[0].item() / c:.2f}", loss=f"{sums[2].item() / c:.4f}",
+                                refresh=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+    finally:
+        bar.close()
+        model.train(was_training)
+    local = sums[3].item()
+    all_reduce_sum(sums)
+    # throughput of the whole job: every process works in parallel, so total images / slowest time
+    times = torch.tensor([elapsed], dtype=torch.float64, device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)
+    count = int(sums[3].item())
+    if count == 0:
+        raise ValueError("the evaluation set is empty")
+    return {
+        "top1": 100.0 * sums[0].item() / count,
+        "top5": 100.0 * sums[1].item() / count,
+        "top5_k": min(5, num_classes or 5),
+        "loss": sums[2].item() / count,
+        "num_images": count,
+        "num_images_this_process": int(local),
+        "skipped_images": int(sums[4].item()),
+        "seconds": times.item(),
+        "images_per_sec": count / times.item() if times.item() > 0 else math.inf,
+    }
+
+
+def write_json(path: str | os.PathLike, results: dict[str, Any]) -> Path:
+    """Write results as indented JSON (atomically: temporary file then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(results, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+
+
+# --- eval.py -----------------------------------------------------------------------------------------
+def overridden_groups(overrides: Iterable[str]) -> set[str]:
+    """Top-level config keys set on the command line (``model=x``, ``data.root=y``, ``+a.b=c`` ...)."""
+    keys = set()
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        keys.add(key.split(".", 1)[0].split("@", 1)[0])
+    return keys
+
+
+def eval_transform_settings(model_name: str, ckpt: Any, data_cfg: Any) -> tuple[dict[str, Any], str]:
+    """Evaluation resize/crop/interpolation/mean/std and where they came from.
+
+    Our checkpoints were trained with the data config's transforms, so those are kept; timm and
+    Microsoft weights follow timm's pretrained config of the weights (``timm:<name.tag>``) or of the
+    architecture name (e.g. crop 0.9 bicubic for ``swin_tiny_patch4_window7_224``, 1.0 at 384).
+    """
+    from timm.data import resolve_data_config
+    from timm.models import get_pretrained_cfg
+
+    from_data = {k: data_cfg.get(k) for k in ("interpolation", "crop_pct", "mean", "std") if k in data_cfg}
+    if ckpt.kind == "ours":
+        return from_data, "data config of the checkpoint's training run"
+    name = ckpt.meta.get("timm_name") or model_name
+    try:
+        pretrained = get_pretrained_cfg(name)
+    except Exception:  # not a timm name (swin_micro) or an unknown tag
+        pretrained = None
+    if pretrained is None:
+        return from_data, f"data config ({name} has no timm pretrained config)"
+    resolved = resolve_data_config({}, pretrained_cfg=pretrained.to_dict())
+    settings = {"interpolation": resolved["interpolation"], "crop_pct": resolved["crop_pct"],
+                "mean": list(resolved["mean"]), "std": list(resolved["std"])}
+    return settings, f"timm pretrained config of {name}"
+
+
+def build_eval_dataset(data_cfg: Any, img_size: Any) -> tuple[Any, int]:
+    """Validation split only (an ImageNet train/ folder takes long to list and is not needed)."""
+    from torch.utils.data import Subset
+
+    from .data import CheckedImageFolder, build_datasets
+
+    if data_cfg.name in ("imagefolder", "imagenet"):
+        from pathlib import Path
+
+        from timm.data import create_transform
+
+        if not data_cfg.root:
+            raise ValueError(f"data={data_cfg.name} needs data.root=/path/to/dataset (with a {data_cfg.val_dir}/ "
+                             "folder of one sub-folder per class)")
+        val_dir = Path(data_cfg.root).expanduser() / data_cfg.val_dir
+        if not val_dir.is_dir():
+            raise ValueError(f"data.root={data_cfg.root} has no {data_cfg.val_dir}/ folder of class sub-folders")
+        size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        tf = create_transform(input_size=size, is_training=False, interpolation=data_cfg.interpolation,
+                              crop_pct=data_cfg.crop_pct, mean=tuple(data_cfg.mean), std=tuple(data_cfg.std))
+        val = CheckedImageFolder(val_dir, tf, data_cfg.skip_corrupt)
+        num_classes = len(val.classes)
+        if data_cfg.get("val_limit"):
+            val = Subset(val, range(min(data_cfg.val_limit, len(val))))
+        return val, num_classes
+    ds = build_datasets(data_cfg, img_size)
+    return ds.val, ds.num_classes
+
+
+def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = None) -> dict[str, Any]:
+    """Evaluate ``cfg.checkpoint`` as configs/eval.yaml describes; returns (and writes) the results."""
+    import logging
+
+    import timm
+    from omegaconf import OmegaConf
+    from torch.utils.data import DataLoader
+
+    from . import create_model
+    from .checkpoint import checkpoint_num_classes, load_into, read_source
+    from .data import ShardSampler, collate_dropping_corrupt
+    from .distributed import barrier, cleanup, init_distributed
+
+    log = logging.getLogger("swin.eval")
+    cli_keys = cli_keys or set()
+    if cfg.model.get("attention") == "flash_window" and not torch.cuda.is_available():
+        raise ValueError("model.attention=flash_window needs a CUDA GPU; use model.attention=auto or sdpa")
+    dist = init_distributed(cfg.device)
+    try:
+        ckpt = read_source(cfg.checkpoint, ema=cfg.ema)
+        model_cfg, data_cfg = cfg.model, cfg.data
+        # our checkpoints carry the run's config: evaluate the same architecture on the same data
+        # unless the command line says otherwise
+        train_cfg = ckpt.config or {}
+        if cfg.from_checkpoint and "model" in train_cfg and "model" not in cli_keys:
+            model_cfg = OmegaConf.create(train_cfg["model"])
+            model_cfg.attention = cfg.model.attention  # the backend is a property of this machine
+        if cfg.from_checkpoint and "data" in train_cfg and "data" not in cli_keys:
+            data_cfg = OmegaConf.create(train_cfg["data"])
+        data_cfg = OmegaConf.create(OmegaConf.to_container(data_cfg, resolve=True))
+        transforms, transforms_from = ({}, "data config")
+        if cfg.transforms == "auto":
+            transforms, transforms_from = eval_transform_settings(model_cfg.name, ckpt, data_cfg)
+            for k, v in transforms.items():
+                data_cfg[k] = v
+        elif cfg.transforms != "data":
+            raise ValueError(f"transforms={cfg.transforms!r}: use auto or data")
+
+        num_classes = model_cfg.get("num_classes") or checkpoint_num_classes(ckpt.state_dict)
+        if not num_classes:
+            raise ValueError(f"checkpoint {cfg.checkpoint} has no classifier; it cannot be evaluated as is")
+        overrides = OmegaConf.to_container(model_cfg, resolve=True)
+        for key in ("name", "pretrained", "num_classes"):
+            overrides.pop(key, None)
+        model = create_model(model_cfg.name, num_classes=num_classes, **overrides)
+        report = load_into(model, ckpt, reset_head=False)
+        model.to(dist.device)
+
+        val, data_classes = build_eval_dataset(data_cfg, model.img_size)
+        if data_classes > num_classes:
+            raise ValueError(f"the data has {data_classes} classes but the checkpoint's classifier {num_classes}")
+        pin = dist.device.type == "cuda"
+        workers = data_cfg.get("num_workers", 0)
+        loader = DataLoader(val, batch_size=cfg.batch_size, sampler=ShardSampler(len(val), dist.rank, dist.world_size),
+                            num_workers=workers, pin_memory=pin, collate_fn=collate_dropping_corrupt,
+                            persistent_workers=False)
+        amp = cfg.amp if cfg.amp != "auto" else ("bf16" if dist.device.type == "cuda" else "fp32")
+        if dist.is_main:
+            log.info(f"model {model_cfg.name} ({num_classes} classes, img_size {model.img_size}, window "
+                     f"{model.window_size}, attention {model.attention}); data {data_cfg.name}: {len(val)} images, "
+                     f"{dist.world_size} process(es), {amp}; transforms from {transforms_from} {transforms}")
+        metrics = evaluate(model, loader, device=dist.device, amp=amp, progress=cfg.progress and dist.is_main,
+                           total=len(loader.sampler))
+        results = {
+            **{k: metrics[k] for k in ("top1", "top5", "loss", "images_per_sec", "num_images", "skipped_images",
+                                       "seconds", "top5_k")},
+            "checkpoint": str(cfg.checkpoint), "checkpoint_kind": ckpt.kind, "weights": ckpt.weights,
+            "checkpoint_meta": ckpt.meta, "resized_bias_tables": len(report.resized),
+            "model": model_cfg.name, "num_classes": num_classes, "img_size": list(model.img_size),
+            "window_size": list(model.window_size), "attention": model.attention,
+            "data": data_cfg.name, "data_root": data_cfg.get("root"), "transforms": transforms,
+            "transforms_from": transforms_from, "batch_size_per_process": cfg.batch_size, "amp": amp,
+            "world_size": dist.world_size, "device": str(dist.device),
+            "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "timm": timm.__version__,
+        }
+        if dist.is_main:
+            out = write_json(cfg.output or Path(run_dir) / "eval_results.json", results)
+            log.info(f"top1 {results['top1']:.3f}%  top5 {results['top5']:.3f}%  loss {results['loss']:.4f}  "
+                     f"{results['images_per_sec']:.1f} img/s over {results['num_images']} images; {out}")
+        barrier()
+        return results
+    finally:
+        cleanup()
+
+
+__all__ = ["build_eval_dataset", "eval_transform_settings", "evaluate", "overridden_groups", "run_eval",
+           "write_json"]
