@@ -251,3 +251,17 @@ def test_pickled_objects_are_not_executed(tmp_path):
     torch.save({"model": {}, "parser": argparse.ArgumentParser}, tmp_path / "objects.pth")
     with pytest.raises(CheckpointError, match=r"not plain weights \(argparse.ArgumentParser\)"):
         load_pretrained(ours(), tmp_path / "objects.pth")
+
+
+@pytest.mark.parametrize("layout", ["timm", "microsoft"])
+def test_headless_checkpoint(reference, tmp_path, layout):
+    """Weights saved without a classifier (num_classes=0): the trunk loads, the head is initialised."""
+    ref, sd, _, _ = reference
+    trunk = {k: v for k, v in sd.items() if not k.startswith("head.")}
+    torch.save(to_microsoft(trunk) if layout == "microsoft" else trunk, tmp_path / "trunk.pth")
+    model = ours()
+    report = load_pretrained(model, tmp_path / "trunk.pth")
+    assert report.head_reset and report.checkpoint_classes == 0 and report.kind == layout
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_features(x), ref.forward_features(x), atol=1e-5, rtol=1e-5)
