@@ -302,7 +302,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> dict[str, Any]:
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         if ema is not None and state.get("ema") is not None:
-            ema.load_state_dict(state["ema"])
+            ema.module.load_state_dict(state["ema"])
         start_epoch, step_in_epoch, global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
         best_top1, best_epoch = state["best_top1"], state["best_epoch"]
         nonfinite_total, skipped_total = state["nonfinite_steps"], state["skipped_images"]
@@ -324,7 +324,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> dict[str, Any]:
         save_train_state(ckpt_dir / name, {
             "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-            "ema": ema.state_dict() if ema is not None else None,
+            "ema": ema.module.state_dict() if ema is not None else None,  # loadable as model weights
             "epoch": epoch, "step_in_epoch": step, "global_step": global_step,
             "best_top1": best_top1, "best_epoch": best_epoch, "nonfinite_steps": nonfinite_total,
             "skipped_images": skipped_total, "history": history, "rng": rngs, "world_size": world,

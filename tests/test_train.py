@@ -1,0 +1,133 @@
+"""train.py: the out-of-the-box digits run, resuming (also after kill -9), and the training mechanics."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from _train_utils import DET, FAST, REPO, CrashOrNaN, cli_env, model_weights, run_cli, train_inprocess
+
+
+def test_cli_trains_digits_and_writes_run_dir(tmp_path):
+    """The default command (shortened) learns, and writes checkpoints, summary, log and an offline wandb run."""
+    run = tmp_path / "run"
+    r = run_cli(f"hydra.run.dir={run}", "train.epochs=6", "logger.progress=false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["epochs"] == 6 and summary["images_per_sec"] > 0
+    assert summary["final_top1"] >= 80.0, summary["history"]  # chance is 10%
+    assert summary["best_top1"] >= summary["final_top1"]
+    for name in ("last.pt", "best.pt"):
+        state = torch.load(run / "checkpoints" / name, weights_only=True)
+        assert {"model", "optimizer", "scheduler", "scaler", "ema", "epoch", "global_step", "rng",
+                "config"} <= state.keys()
+    assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 6
+    assert "val top1" in (run / "train.log").read_text()
+    assert list((run / "wandb").glob("offline-run-*")), "wandb offline run missing"
+
+
+def test_resume_mid_epoch_gives_the_uninterrupted_result(tmp_path, monkeypatch):
+    """A crash mid-epoch, then the same run dir: it resumes from the mid-epoch checkpoint, skips the
+    batches already done (same sampler order) and ends with exactly the weights of an uninterrupted run."""
+    args = [*DET, "train.save_every_steps=4"]  # 6 steps/epoch: saves at global steps 4 and 8
+    train_inprocess(tmp_path / "ref", *args)
+    run = tmp_path / "run"
+    monkeypatch.setattr("swin.engine.create_model", CrashOrNaN(crash_at=11))  # dies in epoch 2, step 5
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train_inprocess(run, *args)
+    state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    assert (state["epoch"], state["step_in_epoch"], state["global_step"]) == (1, 2, 8)
+    monkeypatch.undo()
+    summary = train_inprocess(run, *args)
+    assert summary["epochs"] == 2 and [h["epoch"] for h in summary["history"]] == [1, 2]
+    assert "resumed from" in (run / "train.log").read_text()
+    ref = model_weights(tmp_path / "ref" / "checkpoints" / "last.pt")
+    got = model_weights(run / "checkpoints" / "last.pt")
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_resume_from_explicit_file_into_new_run_dir(tmp_path):
+    train_inprocess(tmp_path / "a", *DET, "train.epochs=1")
+    summary = train_inprocess(tmp_path / "b", *DET, f"train.resume={tmp_path / 'a' / 'checkpoints' / 'last.pt'}")
+    assert [h["epoch"] for h in summary["history"]] == [1, 2] and summary["global_step"] == 12
+
+
+def test_kill_9_mid_epoch_then_same_command_finishes(tmp_path):
+    run = tmp_path / "run"
+    args = [*FAST, f"hydra.run.dir={run}", "train.epochs=3", "data.train_limit=640", "train.batch_size=16",
+            "train.save_every_steps=5", "train.warmup_epochs=1"]
+    with open(tmp_path / "first.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=cli_env(),
+                                stdout=subprocess.DEVNULL, stderr=err)
+        last, deadline = run / "checkpoints" / "last.pt", time.time() + 240
+        while proc.poll() is None and time.time() < deadline:
+            if last.is_file():
+                state = torch.load(last, weights_only=True)  # atomic saves: always a complete file
+                if state["epoch"] == 1 and state["step_in_epoch"] > 0:  # in the middle of epoch 2
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+            time.sleep(0.05)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "first.err").read_text()[-3000:]
+    assert not (run / "summary.json").exists()
+    for ckpt in (run / "checkpoints").glob("*.pt"):
+        torch.load(ckpt, weights_only=True)  # none is corrupt
+
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["epochs"] == 3 and [h["epoch"] for h in summary["history"]] == [1, 2, 3]
+    assert summary["global_step"] == 3 * 40
+    assert "resumed from" in (run / "train.log").read_text()
+    assert not list((run / "checkpoints").glob(".*.tmp"))
+
+
+def test_gradient_accumulation_matches_full_batch(tmp_path):
+    a = [*DET, "train.epochs=1"]
+    train_inprocess(tmp_path / "full", *a)
+    train_inprocess(tmp_path / "accum", *a, "train.accum_steps=4")
+    ref = model_weights(tmp_path / "full/checkpoints/last.pt")
+    got = model_weights(tmp_path / "accum/checkpoints/last.pt")
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=5e-5)  # summation order differs
+
+
+def test_grad_checkpointing_matches_plain(tmp_path):
+    a = [*DET, "train.epochs=1"]
+    train_inprocess(tmp_path / "plain", *a)
+    train_inprocess(tmp_path / "ckpt", *a, "train.grad_checkpointing=true")
+    ref = model_weights(tmp_path / "plain/checkpoints/last.pt")
+    got = model_weights(tmp_path / "ckpt/checkpoints/last.pt")
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_ema_is_evaluated_and_checkpointed(tmp_path):
+    summary = train_inprocess(tmp_path, *DET, "train.ema=true", "train.ema_decay=0.9")
+    assert "model_top1" in summary["history"][-1]
+    state = torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)
+    ema, model = state["ema"], state["model"]
+    assert ema.keys() == model.keys() and any(not torch.equal(ema[k], model[k]) for k in model)
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_mixed_precision_trains(tmp_path, amp):
+    summary = train_inprocess(tmp_path, *DET, "train.epochs=1", f"train.amp={amp}")
+    assert summary["amp"] == amp and summary["nonfinite_steps"] == 0
+    assert summary["history"][0]["train_loss"] < 2.4  # ln(10) = 2.30 is chance; finite and learning
+    scaler = torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)["scaler"]
+    assert ("scale" in scaler) == (amp == "fp16")
+
+
+def test_runs_without_wandb_installed(tmp_path, monkeypatch):
+    """The GPU machine has no wandb: disabled and offline modes still train; online fails up front."""
+    from swin.engine import ConfigError
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
+    args = [*DET, "train.epochs=1"]
+    assert train_inprocess(tmp_path / "off", *args, "logger.wandb.mode=offline")["epochs"] == 1
+    assert "wandb is not installed" in (tmp_path / "off/train.log").read_text()
+    with pytest.raises(ConfigError, match="logger.wandb.mode=disabled"):
+        train_inprocess(tmp_path / "on", *args, "logger.wandb.mode=online")
