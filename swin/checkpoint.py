@@ -354,7 +354,8 @@ def _timm_hub_state_dict(name: str) -> tuple[dict[str, torch.Tensor], str]:
         raise CheckpointError(f"unknown timm model {name!r}; see timm.list_models('swin*', pretrained=True)")
     hint = (f"Download the weights where there is a network (e.g. timm.create_model({name!r}, pretrained=True)"
             f".state_dict() saved with torch.save, or model.safetensors from "
-            f"https://huggingface.co/{cfg.hf_hub_id}) and pass the file: model.pretrained=/path/to/file")
+            f"https://huggingface.co/{cfg.hf_hub_id}) and pass the file instead: model.pretrained=PATH "
+            f"(train.py) or checkpoint=PATH (eval.py)")
     if cfg.hf_hub_id:
         from huggingface_hub import try_to_load_from_cache
 

@@ -239,7 +239,7 @@ def test_timm_hub_without_network_fails_fast():
     if _hub_reachable():
         pytest.skip("the Hugging Face hub is reachable here")
     start = time.perf_counter()
-    with pytest.raises(CheckpointError, match=r"no network.*pass the file: model\.pretrained="):
+    with pytest.raises(CheckpointError, match=r"no network.*pass the file instead: model\.pretrained=PATH"):
         swin.create_model("swin_tiny_patch4_window7_224", pretrained="timm:swin_tiny_patch4_window7_224.ms_in1k")
     assert time.perf_counter() - start < 30
     with pytest.raises(CheckpointError, match="no pretrained weights"):
@@ -265,3 +265,22 @@ def test_headless_checkpoint(reference, tmp_path, layout):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(model.forward_features(x), ref.forward_features(x), atol=1e-5, rtol=1e-5)
+
+
+def test_timm_name_from_local_hub_cache(reference, tmp_path, monkeypatch):
+    """timm:<name.tag> is read from the Hugging Face cache when it is there, without any network."""
+    from huggingface_hub import constants
+    ref, sd, _, _ = reference
+    snapshot = tmp_path / "models--timm--swin_tiny_patch4_window7_224.ms_in1k" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    safetensors.torch.save_file(sd, str(snapshot / "model.safetensors"))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abc")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("swin.checkpoint._hub_reachable", lambda timeout=3.0: pytest.fail("network was tried"))
+    model = ours()
+    report = load_pretrained(model, "timm:swin_tiny_patch4_window7_224.ms_in1k")
+    assert report.source.endswith("model.safetensors") and not report.head_reset
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=1e-5)
