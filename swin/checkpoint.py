@@ -86,8 +86,13 @@ def _is_safetensors(path: Path) -> bool:
 
 
 def _corrupt(path: Path, err: BaseException) -> CheckpointError:
-    return CheckpointError(f"could not read checkpoint {path}: the file is truncated or corrupt "
-                           f"({type(err).__name__}: {err}). Re-download or re-save it.")
+    if isinstance(err, pickle.UnpicklingError):  # torch's message here is a long note about weights_only
+        detail = "not a valid PyTorch checkpoint: unpickling failed"
+    else:
+        lines = str(err).strip().splitlines()
+        detail = f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
+    return CheckpointError(f"could not read checkpoint {path}: the file is truncated or corrupt ({detail}). "
+                           "Re-download or re-save it.")
 
 
 def _torch_load(path: Path) -> Any:
