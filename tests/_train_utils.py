@@ -76,3 +76,19 @@ class CrashOrNaN:
         if self.calls in self.nan_calls or (self.nan_from is not None and self.calls >= self.nan_from):
             return output * float("nan")
         return output
+
+
+def image_folder(root: Path, corrupt: bool = False) -> None:
+    """train/ and val/ of red and blue 20x20 images (class0, class1); optionally two unreadable files."""
+    from PIL import Image
+
+    for split, n in (("train", 8), ("val", 4)):
+        for c, colour in enumerate(("red", "blue")):
+            d = root / split / f"class{c}"
+            d.mkdir(parents=True)
+            for i in range(n):
+                Image.new("RGB", (20, 20), colour).save(d / f"{i}.png")
+    if corrupt:
+        (root / "train/class0/garbage.png").write_bytes(b"this is not an image")
+        good = (root / "train/class1/0.png").read_bytes()
+        (root / "train/class1/truncated.png").write_bytes(good[: len(good) // 2])

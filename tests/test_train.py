@@ -8,7 +8,18 @@ import time
 
 import pytest
 import torch
-from _train_utils import DET, FAST, REPO, CrashOrNaN, cli_env, model_weights, run_cli, train_inprocess
+from _train_utils import (
+    DET,
+    FAST,
+    REPO,
+    CrashOrNaN,
+    cli_env,
+    image_folder,
+    make_cfg,
+    model_weights,
+    run_cli,
+    train_inprocess,
+)
 
 
 def test_cli_trains_digits_and_writes_run_dir(tmp_path):
@@ -57,7 +68,7 @@ def test_resume_from_explicit_file_into_new_run_dir(tmp_path):
 
 def test_kill_9_mid_epoch_then_same_command_finishes(tmp_path):
     run = tmp_path / "run"
-    args = [*FAST, f"hydra.run.dir={run}", "train.epochs=3", "data.train_limit=640", "train.batch_size=16",
+    args = [*FAST, f"hydra.run.dir={run}", "train.epochs=3", "data.train_limit=480", "train.batch_size=16",
             "train.save_every_steps=5", "train.warmup_epochs=1"]
     with open(tmp_path / "first.err", "w") as err:
         proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=cli_env(),
@@ -80,7 +91,7 @@ def test_kill_9_mid_epoch_then_same_command_finishes(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["epochs"] == 3 and [h["epoch"] for h in summary["history"]] == [1, 2, 3]
-    assert summary["global_step"] == 3 * 40
+    assert summary["global_step"] == 3 * 30
     assert "resumed from" in (run / "train.log").read_text()
     assert not list((run / "checkpoints").glob(".*.tmp"))
 
@@ -131,3 +142,33 @@ def test_runs_without_wandb_installed(tmp_path, monkeypatch):
     assert "wandb is not installed" in (tmp_path / "off/train.log").read_text()
     with pytest.raises(ConfigError, match="logger.wandb.mode=disabled"):
         train_inprocess(tmp_path / "on", *args, "logger.wandb.mode=online")
+
+
+def test_imagenet_experiments_hold_the_official_recipe():
+    cfg = make_cfg("experiment=imagenet_swin_tiny", "data.root=/nonexistent")
+    t, d = cfg.train, cfg.data
+    assert cfg.model.name == "swin_tiny_patch4_window7_224" and cfg.model.drop_path_rate == 0.2
+    assert (t.opt, t.lr, t.lr_base_size, t.batch_size, t.weight_decay) == ("adamw", 1e-3, 1024, 1024, 0.05)
+    assert (t.epochs, t.warmup_epochs, t.sched, t.min_lr, t.clip_grad) == (300, 20, "cosine", 1e-5, 5.0)
+    assert (t.label_smoothing, t.mixup, t.cutmix) == (0.1, 0.8, 1.0)
+    assert (d.auto_augment, d.reprob, d.interpolation, d.crop_pct) == ("rand-m9-mstd0.5-inc1", 0.25, "bicubic", 0.875)
+    assert round(cfg.model.img_size / d.crop_pct) == 256  # resize 256 -> center crop 224
+    for size, dpr in (("small", 0.3), ("base", 0.5)):
+        assert make_cfg(f"experiment=imagenet_swin_{size}").model.drop_path_rate == dpr
+
+
+def test_synthetic_data_smoke_run(tmp_path):
+    summary = train_inprocess(tmp_path, *FAST, "data=synthetic", "data.num_classes=8", "data.train_samples=128",
+                              "data.val_samples=64", "data.num_workers=0", "train.epochs=2", "train.warmup_epochs=0")
+    assert summary["epochs"] == 2 and summary["final_top1"] is not None
+
+
+def test_imagenet_recipe_on_an_image_folder(tmp_path):
+    """The ImageNet path end to end (timm RandAugment, random erasing, mixup/cutmix, soft-target loss, bicubic
+    eval crop) on a tiny folder; the label-preserving colour task is still learned."""
+    image_folder(tmp_path / "data")
+    summary = train_inprocess(tmp_path / "run", *FAST, "data=imagenet", f"data.root={tmp_path / 'data'}",
+                              "data.num_workers=0", "train.batch_size=4", "train.epochs=3", "train.warmup_epochs=1",
+                              "train.mixup=0.8", "train.cutmix=1.0", "train.lr=2e-3")
+    assert summary["epochs"] == 3 and summary["nonfinite_steps"] == 0
+    assert summary["history"][-1]["train_loss"] < summary["history"][0]["train_loss"]

@@ -3,8 +3,7 @@ import json
 
 import pytest
 import torch
-from _train_utils import DET, CrashOrNaN, make_cfg, model_weights, run_cli, train_inprocess
-from PIL import Image
+from _train_utils import DET, CrashOrNaN, image_folder, make_cfg, model_weights, run_cli, train_inprocess
 
 from swin.data import CorruptImageError
 from swin.engine import ConfigError, NonFiniteLossError, train
@@ -32,30 +31,17 @@ def test_non_finite_losses_in_a_row_stop_the_run(tmp_path, monkeypatch):
     assert torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)["global_step"] <= 5
 
 
-def _image_folder(root, corrupt: bool):
-    for split, n in (("train", 8), ("val", 4)):
-        for c, colour in enumerate(("red", "blue")):
-            d = root / split / f"class{c}"
-            d.mkdir(parents=True)
-            for i in range(n):
-                Image.new("RGB", (20, 20), colour).save(d / f"{i}.png")
-    if corrupt:
-        (root / "train/class0/garbage.png").write_bytes(b"this is not an image")
-        good = (root / "train/class1/0.png").read_bytes()
-        (root / "train/class1/truncated.png").write_bytes(good[: len(good) // 2])
-
-
 FOLDER = [*DET, "data=imagefolder", "data.num_workers=1", "train.batch_size=4", "train.epochs=1"]
 
 
 def test_corrupt_image_error_names_the_file(tmp_path):
-    _image_folder(tmp_path / "data", corrupt=True)
+    image_folder(tmp_path / "data", corrupt=True)
     with pytest.raises(CorruptImageError, match=r"(garbage|truncated)\.png.*data\.skip_corrupt=true"):
         train_inprocess(tmp_path / "run", *FOLDER, f"data.root={tmp_path / 'data'}")
 
 
 def test_corrupt_images_skipped_and_counted(tmp_path):
-    _image_folder(tmp_path / "data", corrupt=True)
+    image_folder(tmp_path / "data", corrupt=True)
     summary = train_inprocess(tmp_path / "run", *FOLDER, f"data.root={tmp_path / 'data'}", "data.skip_corrupt=true",
                               "train.epochs=2")
     assert summary["skipped_images"] == 4  # 2 unreadable files x 2 epochs
