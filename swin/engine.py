@@ -290,10 +290,12 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> dict[str, Any]:
         removed = remove_stale_temporaries(ckpt_dir)
         if removed:
             log.info(f"removed {removed} unfinished temporary checkpoint file(s) of an interrupted save")
-        if t.resume:
-            resume_path = str(Path(t.resume).expanduser().resolve())
-        elif t.auto_resume and (ckpt_dir / "last.pt").is_file():
+        # this run's own last.pt wins over train.resume: rerunning a command that started from
+        # train.resume=PATH must continue where it stopped, not start over from PATH
+        if t.auto_resume and (ckpt_dir / "last.pt").is_file():
             resume_path = str(ckpt_dir / "last.pt")
+        elif t.resume:
+            resume_path = str(Path(t.resume).expanduser().resolve())
     resume_path = broadcast_object(resume_path)
     if resume_path:
         state = load_train_state(resume_path)

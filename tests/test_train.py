@@ -64,6 +64,9 @@ def test_resume_from_explicit_file_into_new_run_dir(tmp_path):
     train_inprocess(tmp_path / "a", *DET, "train.epochs=1")
     summary = train_inprocess(tmp_path / "b", *DET, f"train.resume={tmp_path / 'a' / 'checkpoints' / 'last.pt'}")
     assert [h["epoch"] for h in summary["history"]] == [1, 2] and summary["global_step"] == 12
+    # the same command again continues from the run dir's own last.pt (done), not from train.resume
+    again = train_inprocess(tmp_path / "b", *DET, f"train.resume={tmp_path / 'a' / 'checkpoints' / 'last.pt'}")
+    assert again["global_step"] == 12 and len(again["history"]) == 2
 
 
 def test_kill_9_mid_epoch_then_same_command_finishes(tmp_path):
