@@ -5,7 +5,7 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
@@ -15,6 +15,10 @@ def main(cfg: DictConfig) -> None:
     from swin.checkpoint import CheckpointError
     from swin.evaluate import overridden_groups, run_eval
 
+    if OmegaConf.is_missing(cfg, "checkpoint"):
+        print("error: give the weights to evaluate: checkpoint=PATH (ours, timm .pth/.safetensors, official "
+              "Microsoft .pth) or checkpoint=timm:<model name with tag>", file=sys.stderr)
+        sys.exit(2)
     hc = HydraConfig.get()
     torch.manual_seed(cfg.seed)
     try:

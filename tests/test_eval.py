@@ -176,3 +176,5 @@ def test_cli_errors(tmp_path):
     bad.write_bytes(b"PK\x03\x04" + os.urandom(500))
     r = _run([sys.executable, str(ROOT / "eval.py"), f"checkpoint={bad}", f"hydra.run.dir={tmp_path / 'o'}"], tmp_path)
     assert r.returncode == 2 and "truncated or corrupt" in r.stderr and "Traceback" not in r.stderr
+    r = _run([sys.executable, str(ROOT / "eval.py"), f"hydra.run.dir={tmp_path / 'o'}"], tmp_path)
+    assert r.returncode == 2 and "checkpoint=PATH" in r.stderr and "Traceback" not in r.stderr
