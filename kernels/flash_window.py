@@ -64,6 +64,12 @@ def _check(x: torch.Tensor, spec: WindowSpec, head_dim: int) -> None:
 
 
 @functools.cache
+def _flat_relative_index(window: tuple[int, int], device: torch.device) -> torch.Tensor:
+    # cached: building it is a handful of tiny kernel launches, paid on every backward otherwise
+    return relative_position_index(window, device=device).reshape(-1)
+
+
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -119,10 +125,10 @@ def _forward(q5, k5, v5, out, table, fill, geo: _Geometry, scale: float) -> None
     wh, ww = geo.window
     total = batch * geo.addr_grid[0] * geo.addr_grid[1]
     cfg = _launch_config(total, heads, wh * ww, head_dim, q5.device, elem_size=q5.element_size())
-    table_t = table.detach().t().contiguous()
+    table = table.detach().contiguous()
     kernel = window_attn_fwd_kernel[(cfg["programs"], heads)](
-        q5, k5, v5, *_strides(q5), out, *_strides(out), table_t, fill if fill is not None else table_t,
-        total, wh * ww, table_t.shape[1], *geo.ints(), head_dim, heads, scale,
+        q5, k5, v5, *_strides(q5), out, *_strides(out), table, fill if fill is not None else table,
+        total, wh * ww, *geo.ints(), head_dim, heads, scale,
         WH=wh, WW=ww, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], NUM_M=cfg["NUM_M"],
         SHIFTED=any(geo.mask_shift), HAS_FILL=fill is not None,
         PRECISION="ieee" if q5.dtype == torch.float32 else "tf32", STAGES=cfg["STAGES"],
@@ -142,19 +148,21 @@ def _backward(q5, k5, v5, do5, dq5, dk5, dv5, table, fill, geo: _Geometry, scale
     area = wh * ww
     total = batch * geo.addr_grid[0] * geo.addr_grid[1]
     cfg = _launch_config(total, heads, area, head_dim, q5.device, backward=True, elem_size=q5.element_size())
-    table_t = table.detach().t().contiguous()
-    dbias = torch.zeros(cfg["programs"], heads, area, area, dtype=torch.float32, device=q5.device)
+    table = table.detach().contiguous()
+    # one (L, L) tile per program and head; the single-block kernel writes every tile whole
+    alloc = torch.empty if cfg["NUM_M"] == 1 else torch.zeros
+    dbias = alloc(cfg["programs"], heads, area, area, dtype=torch.float32, device=q5.device)
     dfill = torch.zeros(2, heads, head_dim, dtype=torch.float32, device=q5.device) if fill is not None else None
     kernel = window_attn_bwd_kernel[(cfg["programs"], heads)](
         q5, k5, v5, *_strides(q5), do5, *_strides(do5), dq5, dk5, dv5, *_strides(dq5),
-        table_t, fill if fill is not None else table_t, dbias, dfill if dfill is not None else dbias,
-        total, area, table_t.shape[1], *geo.ints(), head_dim, heads, scale,
+        table, fill if fill is not None else table, dbias, dfill if dfill is not None else dbias,
+        total, area, *geo.ints(), head_dim, heads, scale,
         WH=wh, WW=ww, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], NUM_M=cfg["NUM_M"],
         SHIFTED=any(geo.mask_shift), HAS_FILL=fill is not None,
         PRECISION="ieee" if q5.dtype == torch.float32 else "tf32", STAGES=cfg["STAGES"],
         num_warps=cfg["num_warps"])
     _report(kernel, cfg)
-    index = relative_position_index(geo.window, device=q5.device).reshape(-1)
+    index = _flat_relative_index(geo.window, q5.device)
     dtable = torch.zeros(table.shape, dtype=torch.float32, device=q5.device)
     dtable.index_add_(0, index, dbias.sum(0).reshape(heads, area * area).t())
     return dtable.to(table.dtype), (dfill.to(fill.dtype) if dfill is not None else None)

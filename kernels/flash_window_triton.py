@@ -72,12 +72,12 @@ def _scores(q, k, bias, reg_m, reg_n, n_ok, scale, SHIFTED: tl.constexpr, PRECIS
 
 
 @triton.jit
-def _bias_tile(table_ptr, h, T, offs_m, offs_n, L, WH: tl.constexpr, WW: tl.constexpr):
-    """Relative position bias (BLOCK_M, BLOCK_N) gathered from the (heads, T) transposed table."""
+def _bias_tile(table_ptr, h, NH, offs_m, offs_n, L, WH: tl.constexpr, WW: tl.constexpr):
+    """Relative position bias (BLOCK_M, BLOCK_N) gathered from the contiguous (T, heads) table."""
     idx = ((offs_m // WW)[:, None] - (offs_n // WW)[None, :] + WH - 1) * (2 * WW - 1) \
         + ((offs_m % WW)[:, None] - (offs_n % WW)[None, :] + WW - 1)
     ok = (offs_m < L)[:, None] & (offs_n < L)[None, :]
-    return tl.load(table_ptr + h * T + idx, mask=ok, other=0.0).to(tl.float32)
+    return tl.load(table_ptr + idx * NH + h, mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def window_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h,
     o_ptr, so_b, so_y, so_x, so_h,
     table_ptr, fill_ptr,
-    G, L, T, H, W, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW, HD, NH, scale,
+    G, L, H, W, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
     SHIFTED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
@@ -97,7 +97,7 @@ def window_attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HD
     if NUM_M == 1:  # one query block: bias tile loaded once for all of the program's windows
-        bias0 = _bias_tile(table_ptr, h, T, offs_n, offs_n, L, WH, WW)
+        bias0 = _bias_tile(table_ptr, h, NH, offs_n, offs_n, L, WH, WW)
     for g in tl.range(pid, G, nprog, num_stages=STAGES):
         addr_n, inwin_n, real_n, reg_n = _token_geometry(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
                                                          MGH, MGW, MSH, MSW, sq_b, sq_y, sq_x)
@@ -115,7 +115,7 @@ def window_attn_fwd_kernel(
                                                                  MGH, MGW, MSH, MSW, sq_b, sq_y, sq_x)
                 q = tl.load(q_ptr + addr_m[:, None] + h * sq_h + offs_d[None, :],
                             mask=real_m[:, None] & dmask[None, :], other=0.0)
-                bias = _bias_tile(table_ptr, h, T, offs_m, offs_n, L, WH, WW)
+                bias = _bias_tile(table_ptr, h, NH, offs_m, offs_n, L, WH, WW)
             s = _scores(q, k, bias, reg_m, reg_n, inwin_n, scale, SHIFTED, PRECISION)
             m = tl.max(s, 1)
             p = tl.exp2((s - m[:, None]) * 1.4426950408889634)
@@ -138,7 +138,7 @@ def window_attn_bwd_kernel(
     do_ptr, sdo_b, sdo_y, sdo_x, sdo_h,
     dq_ptr, dk_ptr, dv_ptr, sdq_b, sdq_y, sdq_x, sdq_h,
     table_ptr, fill_ptr, dbias_ptr, dfill_ptr,
-    G, L, T, H, W, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW, HD, NH, scale,
+    G, L, H, W, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
     SHIFTED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
@@ -152,7 +152,7 @@ def window_attn_bwd_kernel(
     # this program's slice of the (programs, heads, L, L) bias-gradient buffer
     dbias_base = dbias_ptr + (pid * NH + h).to(tl.int64) * L * L
     if NUM_M == 1:
-        bias0 = _bias_tile(table_ptr, h, T, offs_n, offs_n, L, WH, WW)
+        bias0 = _bias_tile(table_ptr, h, NH, offs_n, offs_n, L, WH, WW)
         dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dfill_k = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dfill_v = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -174,7 +174,7 @@ def window_attn_bwd_kernel(
             else:
                 _, _, real_m, reg_m = _token_geometry(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
                                                       MGH, MGW, MSH, MSW, sq_b, sq_y, sq_x)
-                bias = _bias_tile(table_ptr, h, T, offs_m, offs_n, L, WH, WW)
+                bias = _bias_tile(table_ptr, h, NH, offs_m, offs_n, L, WH, WW)
             sy = ((wa // AGW) * WH + offs_m // WW + ASH) % H
             sx = ((wa % AGW) * WW + offs_m % WW + ASW) % W
             io_mask = real_m[:, None] & dmask[None, :]
