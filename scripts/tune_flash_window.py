@@ -1,0 +1,79 @@
+"""Launch-parameter sweep of the flash window kernels (SWIN_FW_* knobs of kernels/flash_window.py).
+
+    python scripts/tune_flash_window.py                      # Swin-T stage-1 shape, bf16, a few configs
+    python scripts/tune_flash_window.py --config PROGRAMS_PER_SM=8,WARPS=8 --config BWD_WARPS=8
+
+For each configuration: registers and spills of both kernels (SWIN_FW_DEBUG) and median forward /
+forward+backward ms (triton.testing.do_bench). For tuning on the GPU; scripts/bench_attention.py is
+the benchmark to compare backends.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from kernels.flash_window import flash_window_attention  # noqa: E402
+
+DEFAULT_CONFIGS = ["", "PROGRAMS_PER_SM=8,BWD_PROGRAMS_PER_SM=8", "STAGES=2,BWD_STAGES=2", "BWD_WARPS=8",
+                   "WARPS=8,BWD_WARPS=8"]
+
+
+def time_config(batch: int, feat: int, window: int, heads: int, head_dim: int,
+                dtype: torch.dtype) -> tuple[float, float]:
+    grid = feat // window
+    n = window * window
+    q, k, v = (torch.randn(batch * grid * grid, heads, n, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    table = torch.randn((2 * window - 1) ** 2, heads, device="cuda", requires_grad=True)
+    grad = torch.randn_like(q)
+    shift = (window // 2, window // 2)
+
+    def fwd():
+        return flash_window_attention(q, k, v, table, (window, window), shift, (grid, grid))
+
+    def fwd_bwd():
+        fwd().backward(grad)
+
+    fwd_ms = do_bench(fwd, warmup=50, rep=300, return_mode="median")
+    fwd_bwd_ms = do_bench(fwd_bwd, warmup=50, rep=300, return_mode="median", grad_to_none=[q, k, v, table])
+    return fwd_ms, fwd_bwd_ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", help="comma-separated KNOB=value (SWIN_FW_ prefix implied)")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--feat", type=int, default=56)
+    parser.add_argument("--window", type=int, default=7)
+    parser.add_argument("--heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_flash_window.py needs a CUDA GPU")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    os.environ["SWIN_FW_DEBUG"] = "1"  # the glue prints registers and spills of each new compilation
+    rows = []
+    for config in args.config or DEFAULT_CONFIGS:
+        for key in [k for k in os.environ if k.startswith("SWIN_FW_") and k != "SWIN_FW_DEBUG"]:
+            del os.environ[key]
+        for item in filter(None, config.split(",")):
+            key, value = item.split("=")
+            os.environ[f"SWIN_FW_{key}"] = value
+        fwd_ms, fwd_bwd_ms = time_config(args.batch, args.feat, args.window, args.heads, args.head_dim, dtype)
+        rows.append((config or "default", fwd_ms, fwd_bwd_ms))
+        print(f"{config or 'default'}: fwd {fwd_ms:.4f} ms, fwd+bwd {fwd_bwd_ms:.4f} ms", flush=True)
+    print("\n| config | fwd ms | fwd+bwd ms |\n|---|---|---|")
+    for config, fwd_ms, fwd_bwd_ms in rows:
+        print(f"| {config} | {fwd_ms:.4f} | {fwd_bwd_ms:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
