@@ -76,6 +76,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, ListConfig, OmegaConf  # noqa: E402
 
 import swin  # noqa: E402
+from swin.distributed import pick_device  # noqa: E402
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # keys of configs/model/*.yaml that describe the architecture (the others: attention, pretrained, ...)
@@ -443,15 +444,6 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda but CUDA is not available; use device=cpu")
-    return device
-
-
 def write_outputs(out_dir: Path, result: dict[str, Any], table: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "benchmark.json").write_text(json.dumps(result, indent=2, default=str))
@@ -461,7 +453,7 @@ def write_outputs(out_dir: Path, result: dict[str, Any], table: str) -> None:
 @hydra.main(version_base="1.3", config_path="../configs", config_name="benchmark")
 def main(cfg: DictConfig) -> dict[str, Any]:
     started = time.perf_counter()
-    device = resolve_device(cfg.device)
+    device = pick_device(cfg.device)
     if cfg.tf32:  # fp32 rows only; torch's default keeps full fp32 matmuls
         torch.set_float32_matmul_precision("high")
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
