@@ -23,19 +23,21 @@ from _train_utils import (
 
 
 def test_cli_trains_digits_and_writes_run_dir(tmp_path):
-    """The default command (shortened) learns, and writes checkpoints, summary, log and an offline wandb run."""
+    """The default command (12 epochs, no EMA) learns, and writes checkpoints, summary, log and an offline wandb run."""
     run = tmp_path / "run"
-    r = run_cli(f"hydra.run.dir={run}", "train.epochs=6", "logger.progress=false")
+    r = run_cli(f"hydra.run.dir={run}", "train.epochs=12", "train.ema=false", "train.save_every_epochs=6",
+                "logger.progress=false")
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["epochs"] == 6 and summary["images_per_sec"] > 0
-    assert summary["final_top1"] >= 80.0, summary["history"]  # chance is 10%
+    assert summary["epochs"] == 12 and summary["images_per_sec"] > 0
+    assert summary["final_top1"] >= 60.0, summary["history"]  # chance is 10%; the full default run reaches ~97%
     assert summary["best_top1"] >= summary["final_top1"]
     for name in ("last.pt", "best.pt"):
         state = torch.load(run / "checkpoints" / name, weights_only=True)
         assert {"model", "optimizer", "scheduler", "scaler", "ema", "epoch", "global_step", "rng",
                 "config"} <= state.keys()
-    assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 6
+    assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 12
+    assert (run / "checkpoints" / "epoch_0006.pt").is_file() and (run / "checkpoints" / "epoch_0012.pt").is_file()
     assert "val top1" in (run / "train.log").read_text()
     assert list((run / "wandb").glob("offline-run-*")), "wandb offline run missing"
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from _train_utils import DET, CrashOrNaN, image_folder, make_cfg, model_weights, run_cli, train_inprocess
+from _train_utils import DET, SMALL, CrashOrNaN, image_folder, make_cfg, model_weights, run_cli, train_inprocess
 
 from swin.data import CorruptImageError
 from swin.engine import ConfigError, NonFiniteLossError, train
@@ -31,7 +31,7 @@ def test_non_finite_losses_in_a_row_stop_the_run(tmp_path, monkeypatch):
     assert torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)["global_step"] <= 5
 
 
-FOLDER = [*DET, "data=imagefolder", "data.num_workers=1", "train.batch_size=4", "train.epochs=1"]
+FOLDER = [*SMALL, "data=imagefolder", "data.num_workers=1", "train.batch_size=4", "train.epochs=1"]
 
 
 def test_corrupt_image_error_names_the_file(tmp_path):
