@@ -12,11 +12,12 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
+    from swin.checkpoint import CheckpointError
     from swin.engine import ConfigError, NonFiniteLossError, train
 
     try:
         train(cfg, HydraConfig.get().runtime.output_dir)
-    except (ConfigError, NonFiniteLossError) as e:  # expected failures: the message, not a traceback
+    except (ConfigError, NonFiniteLossError, CheckpointError, FileNotFoundError) as e:  # the message, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

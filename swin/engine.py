@@ -74,6 +74,9 @@ def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None
         raise ConfigError(f"unknown model {m.name!r}; use model=<{'|'.join(sorted(MODEL_CONFIGS))}>")
     if t.epochs < 1:
         raise ConfigError(f"train.epochs={t.epochs}: set train.epochs to 1 or more")
+    if t.get("require_pretrained") and not m.get("pretrained"):
+        raise ConfigError("this experiment fine-tunes pretrained weights: pass model.pretrained=PATH (a timm, "
+                          "official Microsoft or train.py checkpoint) or model.pretrained=timm:<name.tag>")
     if t.warmup_epochs >= t.epochs:
         raise ConfigError(f"train.warmup_epochs={t.warmup_epochs} leaves no epoch after warm-up "
                           f"(train.epochs={t.epochs}); lower train.warmup_epochs")

@@ -86,3 +86,17 @@ def test_pretrained_beats_scratch(tmp_path):
     res = json.loads((tmp_path / "eval.json").read_text())
     assert res["num_classes"] == 4 and res["num_images"] == 143
     assert res["top1"] == pytest.approx(fine["best_top1"], abs=1e-3)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["experiment=finetune"], "pass model.pretrained=PATH"),
+    (["experiment=finetune", "model.pretrained=/nonexistent/weights.pth"], "not found"),
+])
+def test_finetune_without_usable_weights_is_a_message(tmp_path, overrides, message):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides, "logger.wandb.mode=disabled",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists()
