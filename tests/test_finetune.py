@@ -67,7 +67,7 @@ def test_pretrained_beats_scratch(tmp_path):
                 *pinned, f"seed={seed + 1}"]
     best = tmp_path / "pre" / "checkpoints" / "best.pt"
     fine = _train(tmp_path, "fine", *schedule, f"model.pretrained={best}")
-    scratch = _train(tmp_path, "scratch", *schedule)
+    scratch = _train(tmp_path, "scratch", *schedule, "train.require_pretrained=false")  # same recipe, no weights
     print(f"pretrain top1 {pre['best_top1']:.1f}; fine-tuned {fine['final_top1']:.1f} vs scratch "
           f"{scratch['final_top1']:.1f} (seed {seed})")
     assert fine["final_top1"] > scratch["final_top1"] + 5, (fine, scratch)
