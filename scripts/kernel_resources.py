@@ -1,0 +1,109 @@
+"""Compile the flash window kernels for an NVIDIA target *without a GPU* and report their resources.
+
+    python scripts/kernel_resources.py                        # the Swin shapes, sm_90 (H100/H200)
+    python scripts/kernel_resources.py --window 12 --head-dim 128 --dtype fp32
+
+Triton compiles ahead of time for a GPUTarget on any machine, and the ptxas that ships with Triton
+reports registers, spills and the stack; Triton's metadata gives the shared memory. Registers and
+spills decide occupancy (latency hiding) and shared memory decides whether a configuration launches
+at all (227 KB per block on Hopper), so kernel changes can be checked here before spending device
+time. Pointers and strides are declared multiples of 16 as on the device; other integers stay
+unspecialised, and the local Triton may be newer than the device's, so absolute register counts
+differ (7x7 bf16 forward: 218 here with Triton 3.8, 175 on the H100 with Triton 3.6). Use it to
+compare variants with each other and to check shared memory; confirm on the device.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels.flash_window import _launch_config  # noqa: E402
+from kernels.flash_window_triton import window_attn_bwd_kernel, window_attn_fwd_kernel  # noqa: E402
+
+HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
+DTYPES = {"bf16": ("*bf16", 2), "fp16": ("*fp16", 2), "fp32": ("*fp32", 4)}
+FP32_POINTERS = {"table_ptr", "fill_ptr", "dbias_ptr", "dfill_ptr"}
+
+
+def _signature(fn, constants: dict, data_ptr: str) -> dict[str, str]:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constants:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32" if name in FP32_POINTERS else data_ptr
+        elif name == "scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def _ptxas_report(ptx: str, arch: str) -> str:
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        return "ptxas not found"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run([str(ptxas), f"-arch={arch}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                             capture_output=True, text=True)
+    text = out.stderr + out.stdout
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
+    return f"{regs.group(1) if regs else '?'} registers, {spill.group(1) if spill else '?'} B spill stores"
+
+
+def report(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool, capability: int) -> list[str]:
+    data_ptr, elem_size = DTYPES[dtype]
+    lines = []
+    for fn, backward in ((window_attn_fwd_kernel, False), (window_attn_bwd_kernel, True)):
+        cfg = _launch_config(1024, 4, window[0] * window[1], head_dim, torch.device("cpu"), backward=backward,
+                             elem_size=elem_size)
+        constants = dict(WH=window[0], WW=window[1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                         BLOCK_D=cfg["BLOCK_D"], NUM_M=cfg["NUM_M"], SHIFTED=shifted, HAS_FILL=False,
+                         PRECISION="ieee" if dtype == "fp32" else "tf32", STAGES=cfg["STAGES"])
+        signature = _signature(fn, constants, data_ptr)
+        # as on the device for Swin shapes: pointers and strides are multiples of 16
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                 if name in signature and signature[name] != "constexpr"
+                 and (name.endswith("_ptr") or re.fullmatch(r"s[a-z]+_[bxyh]", name))}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                                  options=dict(num_warps=cfg["num_warps"]))
+        shared = compiled.metadata.shared
+        verdict = "fits" if shared <= HOPPER_SHARED_LIMIT else "EXCEEDS the sm_90 limit"
+        lines.append(f"{window[0]}x{window[1]} hd{head_dim} {dtype} {'bwd' if backward else 'fwd'}: "
+                     f"BLOCK_M {cfg['BLOCK_M']} BLOCK_N {cfg['BLOCK_N']} warps {cfg['num_warps']}; "
+                     f"{_ptxas_report(compiled.asm['ptx'], f'sm_{capability}a')}; shared {shared} B ({verdict})")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--window", type=int, nargs="+", help="window side(s); default 7 8 12 16")
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[32])
+    parser.add_argument("--dtype", choices=list(DTYPES), nargs="+", default=["bf16", "fp32"])
+    parser.add_argument("--unshifted", action="store_true", help="compile without the shifted-window mask")
+    parser.add_argument("--capability", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
+    args = parser.parse_args()
+    for side in args.window or [7, 8, 12, 16]:
+        for head_dim in args.head_dim:
+            for dtype in args.dtype:
+                for line in report((side, side), head_dim, dtype, not args.unshifted, args.capability):
+                    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
