@@ -119,20 +119,28 @@ class _Geometry:
         return (*self.feat, *self.addr_grid, *self.addr_shift, *self.mask_grid, *self.mask_shift)
 
 
+def _launch_plan(q5: torch.Tensor, geo: _Geometry, fill: torch.Tensor | None, backward: bool
+                 ) -> tuple[dict, dict, int]:
+    """(launch config, the kernels' shared constexpr/launch keywords, total windows) for one call."""
+    heads, head_dim = q5.shape[3], q5.shape[4]
+    wh, ww = geo.window
+    total = q5.shape[0] * geo.addr_grid[0] * geo.addr_grid[1]
+    cfg = _launch_config(total, heads, wh * ww, head_dim, q5.device, backward=backward, elem_size=q5.element_size())
+    keywords = dict(WH=wh, WW=ww, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
+                    NUM_M=cfg["NUM_M"], SHIFTED=any(geo.mask_shift), HAS_FILL=fill is not None,
+                    PRECISION="ieee" if q5.dtype == torch.float32 else "tf32", STAGES=cfg["STAGES"],
+                    num_warps=cfg["num_warps"])
+    return cfg, keywords, total
+
+
 def _forward(q5, k5, v5, out, table, fill, geo: _Geometry, scale: float) -> None:
     """Writes out (a (B, H, W, heads, head_dim) view like q5)."""
-    batch, heads, head_dim = q5.shape[0], q5.shape[3], q5.shape[4]
-    wh, ww = geo.window
-    total = batch * geo.addr_grid[0] * geo.addr_grid[1]
-    cfg = _launch_config(total, heads, wh * ww, head_dim, q5.device, elem_size=q5.element_size())
+    heads, head_dim = q5.shape[3], q5.shape[4]
+    cfg, keywords, total = _launch_plan(q5, geo, fill, backward=False)
     table = table.detach().contiguous()
     kernel = window_attn_fwd_kernel[(cfg["programs"], heads)](
         q5, k5, v5, *_strides(q5), out, *_strides(out), table, fill if fill is not None else table,
-        total, wh * ww, *geo.ints(), head_dim, heads, scale,
-        WH=wh, WW=ww, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], NUM_M=cfg["NUM_M"],
-        SHIFTED=any(geo.mask_shift), HAS_FILL=fill is not None,
-        PRECISION="ieee" if q5.dtype == torch.float32 else "tf32", STAGES=cfg["STAGES"],
-        num_warps=cfg["num_warps"])
+        total, geo.window[0] * geo.window[1], *geo.ints(), head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
 
 
@@ -143,11 +151,9 @@ def _report(kernel, cfg: dict) -> None:
 
 def _backward(q5, k5, v5, do5, dq5, dk5, dv5, table, fill, geo: _Geometry, scale: float):
     """Writes dq5/dk5/dv5; returns (bias table gradient, fill gradient or None)."""
-    batch, heads, head_dim = q5.shape[0], q5.shape[3], q5.shape[4]
-    wh, ww = geo.window
-    area = wh * ww
-    total = batch * geo.addr_grid[0] * geo.addr_grid[1]
-    cfg = _launch_config(total, heads, area, head_dim, q5.device, backward=True, elem_size=q5.element_size())
+    heads, head_dim = q5.shape[3], q5.shape[4]
+    area = geo.window[0] * geo.window[1]
+    cfg, keywords, total = _launch_plan(q5, geo, fill, backward=True)
     table = table.detach().contiguous()
     # one (L, L) tile per program and head; the single-block kernel writes every tile whole
     alloc = torch.empty if cfg["NUM_M"] == 1 else torch.zeros
@@ -156,11 +162,7 @@ def _backward(q5, k5, v5, do5, dq5, dk5, dv5, table, fill, geo: _Geometry, scale
     kernel = window_attn_bwd_kernel[(cfg["programs"], heads)](
         q5, k5, v5, *_strides(q5), do5, *_strides(do5), dq5, dk5, dv5, *_strides(dq5),
         table, fill if fill is not None else table, dbias, dfill if dfill is not None else dbias,
-        total, area, *geo.ints(), head_dim, heads, scale,
-        WH=wh, WW=ww, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], NUM_M=cfg["NUM_M"],
-        SHIFTED=any(geo.mask_shift), HAS_FILL=fill is not None,
-        PRECISION="ieee" if q5.dtype == torch.float32 else "tf32", STAGES=cfg["STAGES"],
-        num_warps=cfg["num_warps"])
+        total, area, *geo.ints(), head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
     index = _flat_relative_index(geo.window, q5.device)
     dtable = torch.zeros(table.shape, dtype=torch.float32, device=q5.device)
