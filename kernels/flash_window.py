@@ -1,7 +1,10 @@
 """PyTorch ops around the flash window attention Triton kernels.
 
-Two ops, both ``torch.library`` custom ops with autograd and fake (meta) kernels, so they run
-inside ``torch.compile(fullgraph=True)`` without graph breaks:
+Two ops, both ``torch.library.triton_op`` with autograd, so they run inside
+``torch.compile(fullgraph=True)`` without graph breaks. A triton_op's body is visible to the compiler:
+inductor inlines the kernel launches (through ``wrap_triton``) and the small torch ops around them
+into its generated code, instead of calling back into this Python glue on every step (which made a
+compiled training step host-bound):
 
 * ``flash_window_attention(q, k, v, bias_table, ...)``: window layout, q/k/v of shape
   (B * num_windows, heads, L, head_dim), windows of each image in row-major order (what
@@ -23,6 +26,8 @@ import os
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
+from torch.library import triton_op, wrap_triton
 
 from swin.windows import WindowSpec, relative_position_index
 
@@ -61,12 +66,6 @@ def _check(x: torch.Tensor, spec: WindowSpec, head_dim: int) -> None:
     reason = unsupported_reason(x, spec, head_dim)
     if reason is not None:
         raise ValueError(reason)
-
-
-@functools.cache
-def _flat_relative_index(window: tuple[int, int], device: torch.device) -> torch.Tensor:
-    # cached: building it is a handful of tiny kernel launches, paid on every backward otherwise
-    return relative_position_index(window, device=device).reshape(-1)
 
 
 @functools.cache
@@ -133,23 +132,33 @@ def _launch_plan(q5: torch.Tensor, geo: _Geometry, fill: torch.Tensor | None, ba
     return cfg, keywords, total
 
 
+def _launch(kernel, grid: tuple[int, int], *args, **keywords):
+    """Launches a kernel through wrap_triton, so torch.compile sees (and inlines) the launch."""
+    if _interpreting() and any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
+        # under TRITON_INTERPRET the kernel is a plain Python function that wrap_triton passes through
+        # untraced; fake tensors (shape propagation) have no data to run it on
+        return None
+    return wrap_triton(kernel)[grid](*args, **keywords)
+
+
 def _forward(q5, k5, v5, out, table, fill, geo: _Geometry, scale: float) -> None:
     """Writes out (a (B, H, W, heads, head_dim) view like q5)."""
     heads, head_dim = q5.shape[3], q5.shape[4]
     cfg, keywords, total = _launch_plan(q5, geo, fill, backward=False)
     table = table.detach().contiguous()
-    kernel = window_attn_fwd_kernel[(cfg["programs"], heads)](
+    kernel = _launch(window_attn_fwd_kernel, (cfg["programs"], heads),
         q5, k5, v5, *_strides(q5), out, *_strides(out), table, fill if fill is not None else table,
         total, geo.window[0] * geo.window[1], *geo.ints(), head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
 
 
 def _report(kernel, cfg: dict) -> None:
+    # kernel is None when traced (torch.compile); eager launches return the compiled kernel
     if os.environ.get("SWIN_FW_DEBUG") and hasattr(kernel, "n_regs"):
         print(f"[flash_window] {kernel.name}: {kernel.n_regs} registers, {kernel.n_spills} spills, {cfg}")
 
 
-def _backward(q5, k5, v5, do5, dq5, dk5, dv5, table, fill, geo: _Geometry, scale: float):
+def _backward(q5, k5, v5, do5, dq5, dk5, dv5, table, rel_index, fill, geo: _Geometry, scale: float):
     """Writes dq5/dk5/dv5; returns (bias table gradient, fill gradient or None)."""
     heads, head_dim = q5.shape[3], q5.shape[4]
     area = geo.window[0] * geo.window[1]
@@ -159,14 +168,13 @@ def _backward(q5, k5, v5, do5, dq5, dk5, dv5, table, fill, geo: _Geometry, scale
     alloc = torch.empty if cfg["NUM_M"] == 1 else torch.zeros
     dbias = alloc(cfg["programs"], heads, area, area, dtype=torch.float32, device=q5.device)
     dfill = torch.zeros(2, heads, head_dim, dtype=torch.float32, device=q5.device) if fill is not None else None
-    kernel = window_attn_bwd_kernel[(cfg["programs"], heads)](
+    kernel = _launch(window_attn_bwd_kernel, (cfg["programs"], heads),
         q5, k5, v5, *_strides(q5), do5, *_strides(do5), dq5, dk5, dv5, *_strides(dq5),
         table, fill if fill is not None else table, dbias, dfill if dfill is not None else dbias,
         total, area, *geo.ints(), head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
-    index = _flat_relative_index(geo.window, q5.device)
     dtable = torch.zeros(table.shape, dtype=torch.float32, device=q5.device)
-    dtable.index_add_(0, index, dbias.sum(0).reshape(heads, area * area).t())
+    dtable.index_add_(0, rel_index.reshape(-1), dbias.sum(0).reshape(heads, area * area).t())
     return dtable.to(table.dtype), (dfill.to(fill.dtype) if dfill is not None else None)
 
 
@@ -186,37 +194,25 @@ def _as_image(t: torch.Tensor, window: list[int]) -> torch.Tensor:
     return t.as_strided((bw, window[0], window[1], heads, hd), (s[0], window[1] * s[2], s[2], s[1], 1))
 
 
-@torch.library.custom_op("swin::flash_window_attn", mutates_args=())
+@triton_op("swin::flash_window_attn", mutates_args=())
 def _window_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_table: torch.Tensor,
                window: list[int], shift: list[int], grid: list[int], scale: float) -> torch.Tensor:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _forward(*(_as_image(t, window) for t in (q, k, v, out)), bias_table, None,
              _window_geometry(window, shift, grid), scale)
     return out
 
 
-@_window_op.register_fake
-def _(q, k, v, bias_table, window, shift, grid, scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("swin::flash_window_attn_bwd", mutates_args=())
+@triton_op("swin::flash_window_attn_bwd", mutates_args=())
 def _window_op_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   bias_table: torch.Tensor, window: list[int], shift: list[int], grid: list[int],
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   bias_table: torch.Tensor, rel_index: torch.Tensor, window: list[int], shift: list[int],
+                   grid: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
-    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    dtable, _ = _backward(*(_as_image(t, window) for t in (q, k, v, grad_out, dq, dk, dv)), bias_table, None,
-                          _window_geometry(window, shift, grid), scale)
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    dtable, _ = _backward(*(_as_image(t, window) for t in (q, k, v, grad_out, dq, dk, dv)), bias_table,
+                          rel_index, None, _window_geometry(window, shift, grid), scale)
     return dq, dk, dv, dtable
-
-
-@_window_op_bwd.register_fake
-def _(grad_out, q, k, v, bias_table, window, shift, grid, scale):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format), torch.empty_like(bias_table))
 
 
 def _window_setup(ctx, inputs, output):
@@ -227,7 +223,9 @@ def _window_setup(ctx, inputs, output):
 
 def _window_grad(ctx, grad_out):
     q, k, v, bias_table = ctx.saved_tensors
-    dq, dk, dv, dtable = _window_op_bwd(grad_out, q, k, v, bias_table, *ctx.geometry)
+    window, shift, grid, scale = ctx.geometry
+    rel_index = relative_position_index(tuple(window), device=q.device)
+    dq, dk, dv, dtable = _window_op_bwd(grad_out, q, k, v, bias_table, rel_index, window, shift, grid, scale)
     return dq, dk, dv, dtable, None, None, None, None
 
 
@@ -271,8 +269,8 @@ def _qkv_views(qkv: torch.Tensor) -> list[torch.Tensor]:
     return list(qkv.unbind(3))
 
 
-@torch.library.custom_op("swin::flash_window_attn_image", mutates_args=())
-def _image_op(qkv: torch.Tensor, bias_table: torch.Tensor, kv_fill: torch.Tensor | None,
+@triton_op("swin::flash_window_attn_image", mutates_args=())
+def _image_op(qkv: torch.Tensor, bias_table: torch.Tensor, rel_index: torch.Tensor, kv_fill: torch.Tensor | None,
               window: list[int], shift: list[int], scale: float) -> torch.Tensor:
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
@@ -284,56 +282,46 @@ def _image_op(qkv: torch.Tensor, bias_table: torch.Tensor, kv_fill: torch.Tensor
     return out
 
 
-@_image_op.register_fake
-def _(qkv, bias_table, kv_fill, window, shift, scale):
-    b, h, w, _, heads, hd = qkv.shape
-    return qkv.new_empty((b, h, w, heads, hd))
-
-
-@torch.library.custom_op("swin::flash_window_attn_image_bwd", mutates_args=())
-def _image_op_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, bias_table: torch.Tensor, kv_fill: torch.Tensor | None,
-                  window: list[int], shift: list[int], scale: float
+@triton_op("swin::flash_window_attn_image_bwd", mutates_args=())
+def _image_op_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, bias_table: torch.Tensor, rel_index: torch.Tensor,
+                  kv_fill: torch.Tensor | None, window: list[int], shift: list[int], scale: float
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
-    dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    dqkv = qkv.new_empty(qkv.shape)
     fill = kv_fill.contiguous() if kv_fill is not None else None
-    dtable, dfill = _backward(*_qkv_views(qkv), grad_out, *_qkv_views(dqkv), bias_table, fill,
+    dtable, dfill = _backward(*_qkv_views(qkv), grad_out, *_qkv_views(dqkv), bias_table, rel_index, fill,
                               _image_geometry(qkv.shape[1:3], window, shift), scale)
-    if dfill is None:  # custom ops return tensors only; an empty one stands for "no fill"
+    if dfill is None:  # ops return tensors only; an empty one stands for "no fill"
         dfill = qkv.new_empty(0)
     return dqkv, dtable, dfill
 
 
-@_image_op_bwd.register_fake
-def _(grad_out, qkv, bias_table, kv_fill, window, shift, scale):
-    dfill = torch.empty_like(kv_fill) if kv_fill is not None else qkv.new_empty(0)
-    return qkv.new_empty(qkv.shape), torch.empty_like(bias_table), dfill
-
-
 def _image_setup(ctx, inputs, output):
-    qkv, bias_table, kv_fill, window, shift, scale = inputs
-    ctx.save_for_backward(qkv, bias_table, kv_fill)
+    qkv, bias_table, rel_index, kv_fill, window, shift, scale = inputs
+    ctx.save_for_backward(qkv, bias_table, rel_index, kv_fill)
     ctx.geometry = (window, shift, scale)
 
 
 def _image_grad(ctx, grad_out):
-    qkv, bias_table, kv_fill = ctx.saved_tensors
-    dqkv, dtable, dfill = _image_op_bwd(grad_out, qkv, bias_table, kv_fill, *ctx.geometry)
-    return dqkv, dtable, (dfill if kv_fill is not None else None), None, None, None
+    qkv, bias_table, rel_index, kv_fill = ctx.saved_tensors
+    dqkv, dtable, dfill = _image_op_bwd(grad_out, qkv, bias_table, rel_index, kv_fill, *ctx.geometry)
+    return dqkv, dtable, None, (dfill if kv_fill is not None else None), None, None, None
 
 
 _image_op.register_autograd(_image_grad, setup_context=_image_setup)
 
 
 def flash_window_attention_image(qkv: torch.Tensor, bias_table: torch.Tensor, qkv_bias: torch.Tensor | None,
-                                 spec: WindowSpec, scale: float) -> torch.Tensor:
+                                 spec: WindowSpec, scale: float, rel_index: torch.Tensor | None = None
+                                 ) -> torch.Tensor:
     """Window attention of a Swin block straight from its qkv projection, in image layout.
 
     qkv: (B, H, W, 3, heads, head_dim); qkv_bias: (3, heads, head_dim) or None, the value of q/k/v at
-    padded positions (timm pads before the projection). Returns (B, H, W, heads, head_dim).
+    padded positions (timm pads before the projection). rel_index: the window's (L, L) index into
+    bias_table (the model's buffer; built here if None). Returns (B, H, W, heads, head_dim).
     """
     b, h, w, three, heads, head_dim = qkv.shape
     _check(qkv, spec, head_dim)
@@ -341,4 +329,6 @@ def flash_window_attention_image(qkv: torch.Tensor, bias_table: torch.Tensor, qk
         raise ValueError(f"qkv must be (B, {spec.feat_size[0]}, {spec.feat_size[1]}, 3, heads, head_dim), "
                          f"got {tuple(qkv.shape)}")
     fill = qkv_bias[1:].to(qkv.dtype) if (qkv_bias is not None and spec.padded) else None
-    return _image_op(qkv, bias_table, fill, list(spec.window_size), list(spec.shift_size), float(scale))
+    if rel_index is None:
+        rel_index = relative_position_index(spec.window_size, device=qkv.device)
+    return _image_op(qkv, bias_table, rel_index, fill, list(spec.window_size), list(spec.shift_size), float(scale))

@@ -93,6 +93,7 @@ def window_attn_fwd_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     nprog = tl.num_programs(0)
+    scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HD
@@ -146,6 +147,7 @@ def window_attn_bwd_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     nprog = tl.num_programs(0)
+    scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HD

@@ -94,7 +94,7 @@ def sdpa_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor
 def flash_window_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor:
     """The Triton flash window attention kernel (kernels/), shift and partition folded in."""
     from kernels.flash_window import flash_window_attention_image
-    return flash_window_attention_image(qkv, args.bias_table, args.qkv_bias, args.spec, args.scale)
+    return flash_window_attention_image(qkv, args.bias_table, args.qkv_bias, args.spec, args.scale, args.rel_index)
 
 
 _auto_warned: set[str] = set()

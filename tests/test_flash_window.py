@@ -141,8 +141,9 @@ def test_opcheck():
     spec = WindowSpec((6, 7), (4, 4), (2, 2))
     qkv = torch.randn(1, 6, 7, 3, 2, 16, device=DEVICE)
     fill = torch.randn(2, 2, 16, device=DEVICE)
+    rel_index = relative_position_index((4, 4), device=DEVICE)
     torch.library.opcheck(torch.ops.swin.flash_window_attn_image.default,
-                          (qkv, table.detach(), fill, [4, 4], [2, 2], 0.25),
+                          (qkv, table.detach(), rel_index, fill, [4, 4], [2, 2], 0.25),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     assert spec.padded
 
