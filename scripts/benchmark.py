@@ -11,7 +11,8 @@ Per row, on the same synthetic data (random images and labels, fixed seed):
   fp16), AdamW step (fused on CUDA), ``zero_grad(set_to_none=True)``;
 * each measured as: warm-up steps (untimed; they include torch.compile), then ``repeats`` x ``timed``
   steps, synchronised before and after each repeat; images/s is the median over the repeats. Peak memory
-  is ``torch.cuda.max_memory_allocated`` over the timed steps (weights, optimizer state and data included).
+  is ``torch.cuda.max_memory_allocated`` from the first step on (weights, optimizer state and data included;
+  CUDA-graph pools, allocated while recording, too).
 
 Rows: ``ours`` is ``swin.create_model(name, attention=...)``; ``timm`` is timm's own Swin of the same name
 (``timm.create_model``; for names timm does not know, e.g. swin_micro, timm's SwinTransformer class with our
@@ -91,10 +92,13 @@ class RowSpec:
     compile: bool
     batch_size: int
     precision: str     # bf16 | fp16 | fp32
+    compile_mode: str | None = None  # this row's torch.compile mode; None: the config's compile_mode
 
     @property
     def label(self) -> str:
-        return f"{self.impl} {self.attention}{' +compile' if self.compile else ''} b{self.batch_size} {self.precision}"
+        mode = f"({self.compile_mode})" if self.compile and self.compile_mode else ""
+        return (f"{self.impl} {self.attention}{' +compile' if self.compile else ''}{mode} b{self.batch_size} "
+                f"{self.precision}")
 
 
 def _as_list(value: Any) -> list:
@@ -118,7 +122,9 @@ def expand_grid(grid: DictConfig) -> list[RowSpec]:
                 for precision in _as_list(grid.precision):
                     if precision not in PRECISIONS:
                         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
-                    specs.append(RowSpec(impl, attention, bool(compiled), int(batch), str(precision)))
+                    mode = entry.get("compile_mode")
+                    specs.append(RowSpec(impl, attention, bool(compiled), int(batch), str(precision),
+                                         None if mode is None else str(mode)))
     return specs
 
 
@@ -190,8 +196,14 @@ def _peak_gib(device: torch.device) -> float | None:
 
 def measure(step: Callable[[], object], batch: int, device: torch.device, warmup: int, timed: int,
             repeats: int) -> dict[str, Any]:
-    """Warm up (first step timed separately: it includes compilation), then median images/s over repeats."""
+    """Warm up (first step timed separately: it includes compilation), then median images/s over repeats.
+
+    Peak memory counts from the first step on: CUDA-graph rows (compile_mode=reduce-overhead) allocate their
+    memory pool while recording during warm-up and reuse it afterwards, so a peak taken over the timed steps
+    alone would miss it.
+    """
     _sync(device)
+    _reset_peak(device)
     t0 = time.perf_counter()
     step()
     _sync(device)
@@ -199,7 +211,6 @@ def measure(step: Callable[[], object], batch: int, device: torch.device, warmup
     for _ in range(max(warmup - 1, 0)):
         step()
     _sync(device)
-    _reset_peak(device)
     rates = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -266,7 +277,8 @@ def attention_time_us(prof: torch.profiler.profile, device: torch.device) -> dic
 
 
 def profile_attention(step: Callable[[], object], steps: int, device: torch.device,
-                      trace: Path | None) -> dict[str, float | None]:
+                      trace: Path | None, top_kernels: int = 0, report: Path | None = None,
+                      title: str = "") -> dict[str, float | None]:
     """Profile `steps` steps: attention time per step and its fraction of the (profiled) step time."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -281,6 +293,11 @@ def profile_attention(step: Callable[[], object], steps: int, device: torch.devi
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
+    if top_kernels and report is not None:
+        sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        with report.open("a") as f:
+            f.write(f"\n## {title}: top {top_kernels} by self time over {steps} steps\n\n")
+            f.write(prof.key_averages().table(sort_by=sort_by, row_limit=top_kernels, max_name_column_width=70))
     t = attention_time_us(prof, device)
     attn_ms = t["attention_us"] / steps / 1e3
     busy_ms = t["total_us"] / steps / 1e3
@@ -288,6 +305,37 @@ def profile_attention(step: Callable[[], object], steps: int, device: torch.devi
                 attention_frac_of_step=attn_ms / wall_ms,
                 attention_frac_of_busy=attn_ms / busy_ms if busy_ms else None,
                 linked_frac=t["linked_us"] / t["total_us"] if t["total_us"] else None)
+
+
+def saved_tensor_report(step: Callable[[], object], title: str, top: int = 25) -> str:
+    """Memory kept for backward by one training step, grouped by (dtype, shape): what training memory holds.
+
+    Counted through saved_tensors_hooks, so compiled graphs are covered (their saved activations pass
+    through ctx.save_for_backward). Counted per storage: views of one buffer (q, k and v of one qkv
+    tensor) count once, with the shape of the first view seen; parameters are included.
+    """
+    storages: dict[int, tuple[str, tuple[int, ...], int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
+            storages.setdefault(storage.data_ptr(), (str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                                     storage.nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for dtype, shape, nbytes in storages.values():
+        entry = groups.setdefault((dtype, shape), [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
+    total = sum(v[1] for v in groups.values())
+    lines = [f"\n## {title}: memory saved for backward, {total / 2**30:.2f} GiB in {len(storages)} buffers\n",
+             "| dtype | shape (first view) | buffers | MiB | % |", "|---|---|---|---|---|"]
+    for (dtype, shape), (count, nbytes) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"| {dtype} | {shape} | {count} | {nbytes / 2**20:,.1f} | {100 * nbytes / total:.1f} |")
+    return "\n".join(lines) + "\n"
 
 
 def _free(device: torch.device) -> None:
@@ -308,7 +356,8 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
     else:
         row["our_attention"] = model.attention
     row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
-    run = torch.compile(model, mode=cfg.compile_mode, dynamic=False) if spec.compile else model
+    mode = spec.compile_mode or cfg.compile_mode
+    run = torch.compile(model, mode=mode, dynamic=False) if spec.compile else model
     x_all, y_all = data
     x, y = x_all[:spec.batch_size], y_all[:spec.batch_size]
     dtype = PRECISIONS[spec.precision]
@@ -350,7 +399,11 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
         result = measure(step, spec.batch_size, device, steps.warmup, steps.timed, steps.repeats)
         if profile.enabled:
             trace = trace_dir / f"{slug}_{mode}.json" if trace_dir else None
-            result.update(profile_attention(step, profile.steps, device, trace))
+            result.update(profile_attention(step, profile.steps, device, trace, profile.get("top_kernels", 0),
+                                            out_dir / "profile.md", f"{spec.label} {mode}"))
+            if mode == "train" and profile.get("saved_tensors", False):
+                with (out_dir / "profile.md").open("a") as f:
+                    f.write(saved_tensor_report(step, spec.label))
         row.update({f"{mode}_{k}": v for k, v in result.items()})
     row["train_loss"] = last_loss[0].float().item()
     return row
@@ -386,7 +439,8 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
         cols += ["attn % infer step", "attn % train step"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        head = [r["impl"], r["attention"], "yes" if r["compile"] else "no", str(r["batch_size"]), r["precision"]]
+        compiled = (r.get("compile_mode") or "yes") if r["compile"] else "no"
+        head = [r["impl"], r["attention"], compiled, str(r["batch_size"]), r["precision"]]
         if "error" in r or "skipped" in r:
             lines.append("| " + " | ".join(head + [r.get("error") or r["skipped"]] + ["-"] * (len(cols) - 6)) + " |")
             continue
@@ -413,7 +467,8 @@ def save_chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ok = [r for r in rows if "error" not in r and "skipped" not in r]
     if not ok:
         return
-    labels = [RowSpec(r["impl"], r["attention"], r["compile"], r["batch_size"], r["precision"]).label for r in ok]
+    labels = [RowSpec(r["impl"], r["attention"], r["compile"], r["batch_size"], r["precision"],
+                      r.get("compile_mode")).label for r in ok]
     colors = ["tab:orange" if r["impl"] == "ours" else "tab:blue" for r in ok]
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * len(ok) + 1.6), sharey=True)
     for ax, key, name in zip(axes, ("infer_img_s", "train_img_s"), ("inference", "training step")):
@@ -459,6 +514,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
     name, arch = architecture(cfg.model)
     specs = expand_grid(cfg.grid)
+    out_dir.mkdir(parents=True, exist_ok=True)
     env = environment(device)
     probe = swin.create_model(name, **arch)
     img_size, in_chans, num_classes = probe.img_size, probe.in_chans, probe.num_classes

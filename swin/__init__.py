@@ -34,7 +34,8 @@ def create_model(name: str, pretrained: str | bool | None = None, **overrides: A
     """Build a Swin model by timm name, with keyword overrides of its architecture.
 
     Overrides: attention, num_classes, img_size, window_size, patch_size, embed_dim, depths,
-    num_heads, drop_path_rate, drop_rate, mlp_ratio, in_chans, qkv_bias, dynamic_img_size.
+    num_heads, drop_path_rate, drop_rate, mlp_ratio, in_chans, qkv_bias, dynamic_img_size,
+    recompute_mlp_act (default True: the MLP GELU output is recomputed in backward, not saved).
     ``pretrained``: a checkpoint file (timm, official Microsoft or ours), or ``timm:<name.tag>``.
     """
     if name not in MODEL_CONFIGS:

@@ -9,7 +9,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.layers import ClassifierHead, DropPath, Mlp, PatchEmbed, to_2tuple, trunc_normal_
+from torch.utils.checkpoint import checkpoint
 
 from .attention import WindowAttentionArgs, get_backend
 from .windows import WindowSpec, clamp_window_and_shift, relative_position_index, shifted_window_mask
@@ -55,9 +57,10 @@ class SwinTransformerBlock(nn.Module):
 
     def __init__(self, dim: int, feat_size: tuple[int, int], num_heads: int, window_size: tuple[int, int],
                  shift: bool, mlp_ratio: float = 4.0, qkv_bias: bool = True, drop_path: float = 0.0,
-                 attention: str = "sdpa"):
+                 attention: str = "sdpa", recompute_mlp_act: bool = True):
         super().__init__()
         self.feat_size = feat_size
+        self.recompute_mlp_act = recompute_mlp_act
         target_shift = tuple(w // 2 for w in window_size) if shift else (0, 0)
         # window and shift are fixed at construction from the nominal feature size (timm semantics)
         self.window_size, self.shift_size = clamp_window_and_shift(feat_size, window_size, target_shift)
@@ -81,8 +84,21 @@ class SwinTransformerBlock(nn.Module):
         else:  # another input size (dynamic_img_size): same window and shift, new regions
             mask = shifted_window_mask(spec, x.device)
         x = x + self.drop_path1(self.attn(self.norm1(x), spec, mask))
-        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        x = x + self.drop_path2(self._mlp(self.norm2(x)))
         return x
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.mlp.fc1(x)
+        if self.recompute_mlp_act and torch.is_grad_enabled() and hidden.requires_grad:
+            # Keep only fc1's output for backward and recompute GELU from it, instead of keeping both: the
+            # GELU output (4C per token, fc2's input) is the largest activation a block holds, and
+            # recomputing it is one pointwise op (fused into GELU's backward under torch.compile).
+            return checkpoint(self._mlp_tail, hidden, use_reentrant=False)
+        return self._mlp_tail(hidden)
+
+    def _mlp_tail(self, hidden: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp  # timm's Mlp after fc1
+        return mlp.drop2(mlp.fc2(mlp.norm(mlp.drop1(mlp.act(hidden)))))
 
 
 class PatchMerging(nn.Module):
@@ -102,12 +118,32 @@ class PatchMerging(nn.Module):
         return self.reduction(self.norm(x))
 
 
+class LinearPatchEmbed(PatchEmbed):
+    """timm's PatchEmbed (same parameters, output NHWC), computed as a matmul over non-overlapping patches.
+
+    A convolution whose kernel equals its stride is a linear map of each patch; as one GEMM it avoids
+    cuDNN's slow weight gradient for stride-4 convolutions (0.5 ms of a Swin-T training step on an H100).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        ph, pw = self.patch_size
+        if self.strict_img_size and self.img_size is not None and (h, w) != tuple(self.img_size):
+            return super().forward(x)  # timm's error message for the wrong size
+        if (h % ph or w % pw or getattr(self, "dynamic_img_pad", False)
+                or tuple(self.proj.stride) != (ph, pw) or tuple(self.proj.kernel_size) != (ph, pw)):
+            return super().forward(x)
+        patches = x.reshape(b, c, h // ph, ph, w // pw, pw).permute(0, 2, 4, 1, 3, 5).flatten(3)
+        x = F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)  # (B, H/ph, W/pw, embed_dim)
+        return self.norm(x)
+
+
 class SwinTransformerStage(nn.Module):
     """Optional patch merging (timm places it at the start of stages 1..n), then the blocks."""
 
     def __init__(self, dim: int, out_dim: int, in_size: tuple[int, int], depth: int, downsample: bool,
                  num_heads: int, window_size: tuple[int, int], mlp_ratio: float, qkv_bias: bool,
-                 drop_path: Sequence[float], attention: str):
+                 drop_path: Sequence[float], attention: str, recompute_mlp_act: bool = True):
         super().__init__()
         self.downsample = PatchMerging(dim, out_dim) if downsample else nn.Identity()
         self.out_size = tuple((s + 1) // 2 for s in in_size) if downsample else in_size
@@ -115,7 +151,7 @@ class SwinTransformerStage(nn.Module):
         self.blocks = nn.Sequential(*[
             SwinTransformerBlock(out_dim, self.out_size, num_heads, window_size, shift=i % 2 == 1,
                                  mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop_path=drop_path[i],
-                                 attention=attention)
+                                 attention=attention, recompute_mlp_act=recompute_mlp_act)
             for i in range(depth)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,6 +182,7 @@ class SwinTransformer(nn.Module):
         drop_path_rate: float = 0.1,
         attention: str = "sdpa",
         dynamic_img_size: bool = False,
+        recompute_mlp_act: bool = True,
     ):
         super().__init__()
         if len(depths) != len(num_heads):
@@ -165,7 +202,7 @@ class SwinTransformer(nn.Module):
         dims = [int(embed_dim * 2 ** i) for i in range(self.num_layers)]
         self.num_features = dims[-1]
 
-        self.patch_embed = PatchEmbed(img_size=self.img_size, patch_size=self.patch_size, in_chans=in_chans,
+        self.patch_embed = LinearPatchEmbed(img_size=self.img_size, patch_size=self.patch_size, in_chans=in_chans,
                                       embed_dim=embed_dim, norm_layer=nn.LayerNorm, output_fmt="NHWC",
                                       strict_img_size=not dynamic_img_size)
         size = self.patch_embed.grid_size
@@ -175,7 +212,8 @@ class SwinTransformer(nn.Module):
             stage = SwinTransformerStage(dims[max(i - 1, 0)], dims[i], size, depths[i], downsample=i > 0,
                                          num_heads=num_heads[i], window_size=self.window_size,
                                          mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
-                                         drop_path=rates[i].tolist(), attention=attention)
+                                         drop_path=rates[i].tolist(), attention=attention,
+                                         recompute_mlp_act=recompute_mlp_act)
             stages.append(stage)
             size = stage.out_size
         self.layers = nn.Sequential(*stages)
