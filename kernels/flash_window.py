@@ -79,11 +79,13 @@ def _tuning(name: str, default: int) -> int:
 
 
 def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: int, device: torch.device,
-                   backward: bool = False, elem_size: int = 2) -> dict:
+                   backward: bool = False) -> dict:
     block_n = max(16, triton.next_power_of_2(window_area))
-    block_m = block_n if block_n <= 64 else (64 if block_n <= 128 else 32)
-    if block_n >= 256 and (elem_size == 4 or head_dim > 64):
-        block_m = 16  # 256-token windows in fp32 or wide heads: stay inside shared memory
+    # windows of more than 64 tokens take 16-row query blocks: with 32 or 64 rows the (rows, 128 or 256)
+    # score tiles spill registers or overflow shared memory (H100, Swin-B 384 stage 1, bf16: forward
+    # 10.5 -> 3.8 ms, forward+backward 73 -> 15 ms against 32 rows)
+    block_m = block_n if block_n <= 64 else 16
+    block_m = min(block_n, _tuning("BWD_BLOCK_M" if backward else "BLOCK_M", block_m))
     block_d = max(16, triton.next_power_of_2(head_dim))
     if device.type == "cuda":
         # enough programs per head to fill the chip several times over; each loops over its windows
@@ -92,7 +94,8 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
         programs = max(1, min(total_windows, _num_sms(device.index or 0) * per_sm // heads))
     else:  # interpreter: few programs, each looping over windows, keeps CPU tests quick
         programs = max(1, min(total_windows, 4))
-    warps = _tuning("BWD_WARPS" if backward else "WARPS", 4 if block_n <= 64 else 8)
+    default_warps = 4 if block_n <= 64 or (block_n >= 128 and not backward) else 8
+    warps = _tuning("BWD_WARPS" if backward else "WARPS", default_warps)
     return dict(programs=programs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                 NUM_M=triton.cdiv(window_area, block_m), num_warps=warps,
                 STAGES=_tuning("BWD_STAGES" if backward else "STAGES", 1))
@@ -124,12 +127,17 @@ def _launch_plan(q5: torch.Tensor, geo: _Geometry, fill: torch.Tensor | None, ba
     heads, head_dim = q5.shape[3], q5.shape[4]
     wh, ww = geo.window
     total = q5.shape[0] * geo.addr_grid[0] * geo.addr_grid[1]
-    cfg = _launch_config(total, heads, wh * ww, head_dim, q5.device, backward=backward, elem_size=q5.element_size())
-    keywords = dict(WH=wh, WW=ww, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-                    NUM_M=cfg["NUM_M"], SHIFTED=any(geo.mask_shift), HAS_FILL=fill is not None,
-                    PRECISION="ieee" if q5.dtype == torch.float32 else "tf32", STAGES=cfg["STAGES"],
-                    num_warps=cfg["num_warps"])
-    return cfg, keywords, total
+    cfg = _launch_config(total, heads, wh * ww, head_dim, q5.device, backward=backward)
+    keywords = kernel_constants(cfg, geo.window, any(geo.mask_shift), fill is not None, q5.dtype)
+    return cfg, {**keywords, "num_warps": cfg["num_warps"]}, total
+
+
+def kernel_constants(cfg: dict, window: tuple[int, int], shifted: bool, has_fill: bool, dtype: torch.dtype
+                     ) -> dict:
+    """The kernels' constexpr arguments for a launch config (also used by scripts/kernel_resources.py)."""
+    return dict(WH=window[0], WW=window[1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
+                NUM_M=cfg["NUM_M"], SHIFTED=shifted, HAS_FILL=has_fill,
+                PRECISION="ieee" if dtype == torch.float32 else "tf32", STAGES=cfg["STAGES"])
 
 
 def _launch(kernel, grid: tuple[int, int], *args, **keywords):

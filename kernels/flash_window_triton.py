@@ -24,22 +24,31 @@ import triton.language as tl
 
 
 @triton.jit
+def _wrap(t, n):
+    """t mod n for 0 <= t < 2n (a real token's shifted coordinate), without an integer division."""
+    return tl.where(t >= n, t - n, t)
+
+
+@triton.jit
 def _token_geometry(g, offs, L, H, W, WH: tl.constexpr, WW: tl.constexpr,
-                    AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW, s_b, s_y, s_x):
-    """For tokens `offs` of global window g: (address offset, in-window, real (not padding), region)."""
+                    AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW):
+    """Tokens `offs` of global window g: (image b, source row, source column, in-window, real, region).
+
+    (b, row, column) is the token's pixel in the unshifted, unpadded image; real = in the window and
+    not padding; region = the shifted-window region (official Swin's 3 x 3 slices) for the mask.
+    """
     r = offs // WW
     c = offs % WW
     # addressing: padded-shifted coordinates -> source pixel of the unshifted, unpadded image
     nwa = AGH * AGW
-    b = g // nwa
+    b = (g // nwa).to(tl.int64)
     wa = g % nwa
     ty = (wa // AGW) * WH + r
     tx = (wa % AGW) * WW + c
     inwin = offs < L
     real = inwin & (ty < H) & (tx < W)
-    sy = (ty + ASH) % H
-    sx = (tx + ASW) % W
-    addr = b.to(tl.int64) * s_b + sy * s_y + sx * s_x
+    sy = _wrap(ty + ASH, H)
+    sx = _wrap(tx + ASW, W)
     # shifted-window regions on the padded, shifted image (timm's slices of the padded size)
     nwm = MGH * MGW
     wm = g % nwm
@@ -49,14 +58,41 @@ def _token_geometry(g, offs, L, H, W, WH: tl.constexpr, WW: tl.constexpr,
     wp = MGW * WW
     reg_y = tl.where(MSH > 0, (my >= hp - WH).to(tl.int32) + (my >= hp - MSH).to(tl.int32), 0)
     reg_x = tl.where(MSW > 0, (mx >= wp - WW).to(tl.int32) + (mx >= wp - MSW).to(tl.int32), 0)
-    return addr, inwin, real, reg_y * 3 + reg_x
+    return b, sy, sx, inwin, real, reg_y * 3 + reg_x
 
 
 @triton.jit
-def _load_tokens(ptr, addr, real, inwin, h, s_h, offs_d, HD, fill_ptr, HAS_FILL: tl.constexpr):
+def _offsets(b, sy, sx, s_b, s_y, s_x, h, s_h, offs_d):
+    """(tokens, BLOCK_D) element offsets of head h in a (B, H, W, heads, head_dim) view."""
+    return (b * s_b + sy * s_y + sx * s_x)[:, None] + h * s_h + offs_d[None, :]
+
+
+@triton.jit
+def _window_tokens(g, offs, L, H, W, WH: tl.constexpr, WW: tl.constexpr, AGH, AGW, ASH, ASW,
+                   MGH, MGW, MSH, MSW, q_ptr, k_ptr, v_ptr, s_b, s_y, s_x, h, s_h,
+                   do_ptr, sdo_b, sdo_y, sdo_x, sdo_h, offs_d, HD, fill_ptr, NH,
+                   HAS_FILL: tl.constexpr, LOAD_Q: tl.constexpr, LOAD_DO: tl.constexpr):
+    """Geometry and K, V (and Q, dO if asked) tiles of window g."""
+    b, sy, sx, inwin, real, reg = _token_geometry(g, offs, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
+                                                  MGH, MGW, MSH, MSW)
+    offs_qkv = _offsets(b, sy, sx, s_b, s_y, s_x, h, s_h, offs_d)
+    io_mask = real[:, None] & (offs_d < HD)[None, :]
+    k = _load_tokens(k_ptr, offs_qkv, real, inwin, h, offs_d, HD, fill_ptr, HAS_FILL)
+    v = _load_tokens(v_ptr, offs_qkv, real, inwin, h, offs_d, HD, fill_ptr + NH * HD, HAS_FILL)
+    q = k
+    do = k
+    if LOAD_Q:
+        q = tl.load(q_ptr + offs_qkv, mask=io_mask, other=0.0)
+    if LOAD_DO:
+        do = tl.load(do_ptr + _offsets(b, sy, sx, sdo_b, sdo_y, sdo_x, h, sdo_h, offs_d), mask=io_mask, other=0.0)
+    return b, sy, sx, inwin, real, reg, k, v, q, do
+
+
+@triton.jit
+def _load_tokens(ptr, offsets, real, inwin, h, offs_d, HD, fill_ptr, HAS_FILL: tl.constexpr):
     """(tokens, BLOCK_D) tile; padded image tokens take the fill vector (qkv bias), others 0."""
     dmask = offs_d < HD
-    x = tl.load(ptr + addr[:, None] + h * s_h + offs_d[None, :], mask=real[:, None] & dmask[None, :], other=0.0)
+    x = tl.load(ptr + offsets, mask=real[:, None] & dmask[None, :], other=0.0)
     if HAS_FILL:
         fill = tl.load(fill_ptr + h * HD + offs_d, mask=dmask, other=0.0).to(x.dtype)
         x = tl.where((inwin & (real == 0))[:, None], fill[None, :], x)
@@ -97,24 +133,22 @@ def window_attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HD
-    if NUM_M == 1:  # one query block: bias tile loaded once for all of the program's windows
+    ONE_BLOCK: tl.constexpr = NUM_M == 1
+    if ONE_BLOCK:  # one query block: bias tile loaded once for all of the program's windows
         bias0 = _bias_tile(table_ptr, h, NH, offs_n, offs_n, L, WH, WW)
     for g in tl.range(pid, G, nprog, num_stages=STAGES):
-        addr_n, inwin_n, real_n, reg_n = _token_geometry(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
-                                                         MGH, MGW, MSH, MSW, sq_b, sq_y, sq_x)
-        k = _load_tokens(k_ptr, addr_n, real_n, inwin_n, h, sq_h, offs_d, HD, fill_ptr, HAS_FILL)
-        v = _load_tokens(v_ptr, addr_n, real_n, inwin_n, h, sq_h, offs_d, HD, fill_ptr + NH * HD, HAS_FILL)
+        cur = _window_tokens(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW,
+                             q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, h, sq_h, q_ptr, 0, 0, 0, 0,
+                             offs_d, HD, fill_ptr, NH, HAS_FILL, ONE_BLOCK, False)
+        b, sy_n, sx_n, inwin_n, real_n, reg_n, k, v, q_n, _no_do = cur
         for mb in range(NUM_M):
-            offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-            if NUM_M == 1:
-                addr_m, real_m, reg_m = addr_n, real_n, reg_n
-                q = tl.load(q_ptr + addr_m[:, None] + h * sq_h + offs_d[None, :],
-                            mask=real_m[:, None] & dmask[None, :], other=0.0)
-                bias = bias0
+            if ONE_BLOCK:
+                sy, sx, real_m, reg_m, q, bias = sy_n, sx_n, real_n, reg_n, q_n, bias0
             else:
-                addr_m, inwin_m, real_m, reg_m = _token_geometry(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
-                                                                 MGH, MGW, MSH, MSW, sq_b, sq_y, sq_x)
-                q = tl.load(q_ptr + addr_m[:, None] + h * sq_h + offs_d[None, :],
+                offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+                _b_m, sy, sx, _inwin_m, real_m, reg_m = _token_geometry(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
+                                                              MGH, MGW, MSH, MSW)
+                q = tl.load(q_ptr + _offsets(b, sy, sx, sq_b, sq_y, sq_x, h, sq_h, offs_d),
                             mask=real_m[:, None] & dmask[None, :], other=0.0)
                 bias = _bias_tile(table_ptr, h, NH, offs_m, offs_n, L, WH, WW)
             s = _scores(q, k, bias, reg_m, reg_n, inwin_n, scale, SHIFTED, PRECISION)
@@ -122,14 +156,7 @@ def window_attn_fwd_kernel(
             p = tl.exp2((s - m[:, None]) * 1.4426950408889634)
             denom = tl.sum(p, 1)
             o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION) / denom[:, None]
-            # same token -> same source address in q and o only if strides agree; recompute for o
-            nwa = AGH * AGW
-            b = g // nwa
-            wa = g % nwa
-            sy = ((wa // AGW) * WH + offs_m // WW + ASH) % H
-            sx = ((wa % AGW) * WW + offs_m % WW + ASW) % W
-            o_addr = b.to(tl.int64) * so_b + sy * so_y + sx * so_x
-            tl.store(o_ptr + o_addr[:, None] + h * so_h + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+            tl.store(o_ptr + _offsets(b, sy, sx, so_b, so_y, so_x, h, so_h, offs_d), o.to(o_ptr.dtype.element_ty),
                      mask=real_m[:, None] & dmask[None, :])
 
 
@@ -151,39 +178,33 @@ def window_attn_bwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HD
+    ONE_BLOCK: tl.constexpr = NUM_M == 1
     # this program's slice of the (programs, heads, L, L) bias-gradient buffer
     dbias_base = dbias_ptr + (pid * NH + h).to(tl.int64) * L * L
-    if NUM_M == 1:
+    if ONE_BLOCK:
         bias0 = _bias_tile(table_ptr, h, NH, offs_n, offs_n, L, WH, WW)
         dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dfill_k = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dfill_v = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for g in tl.range(pid, G, nprog, num_stages=STAGES):
-        addr_n, inwin_n, real_n, reg_n = _token_geometry(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
-                                                         MGH, MGW, MSH, MSW, sq_b, sq_y, sq_x)
-        k = _load_tokens(k_ptr, addr_n, real_n, inwin_n, h, sq_h, offs_d, HD, fill_ptr, HAS_FILL)
-        v = _load_tokens(v_ptr, addr_n, real_n, inwin_n, h, sq_h, offs_d, HD, fill_ptr + NH * HD, HAS_FILL)
+        cur = _window_tokens(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW,
+                             q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, h, sq_h, do_ptr, sdo_b, sdo_y, sdo_x, sdo_h,
+                             offs_d, HD, fill_ptr, NH, HAS_FILL, ONE_BLOCK, ONE_BLOCK)
+        b, sy_n, sx_n, inwin_n, real_n, reg_n, k, v, q_n, do_n = cur
         dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-        nwa = AGH * AGW
-        b = (g // nwa).to(tl.int64)
-        wa = g % nwa
         for mb in range(NUM_M):
             offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-            if NUM_M == 1:
-                real_m, reg_m = real_n, reg_n
-                bias = bias0
+            if ONE_BLOCK:
+                sy, sx, real_m, reg_m, q, do, bias = sy_n, sx_n, real_n, reg_n, q_n, do_n, bias0
             else:
-                _, _, real_m, reg_m = _token_geometry(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
-                                                      MGH, MGW, MSH, MSW, sq_b, sq_y, sq_x)
+                _b_m, sy, sx, _inwin_m, real_m, reg_m = _token_geometry(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
+                                                              MGH, MGW, MSH, MSW)
+                io_mask_m = real_m[:, None] & dmask[None, :]
+                q = tl.load(q_ptr + _offsets(b, sy, sx, sq_b, sq_y, sq_x, h, sq_h, offs_d), mask=io_mask_m, other=0.0)
+                do = tl.load(do_ptr + _offsets(b, sy, sx, sdo_b, sdo_y, sdo_x, h, sdo_h, offs_d),
+                             mask=io_mask_m, other=0.0)
                 bias = _bias_tile(table_ptr, h, NH, offs_m, offs_n, L, WH, WW)
-            sy = ((wa // AGW) * WH + offs_m // WW + ASH) % H
-            sx = ((wa % AGW) * WW + offs_m % WW + ASW) % W
-            io_mask = real_m[:, None] & dmask[None, :]
-            q = tl.load(q_ptr + (b * sq_b + sy * sq_y + sx * sq_x)[:, None] + h * sq_h + offs_d[None, :],
-                        mask=io_mask, other=0.0)
-            do = tl.load(do_ptr + (b * sdo_b + sy * sdo_y + sx * sdo_x)[:, None] + h * sdo_h + offs_d[None, :],
-                         mask=io_mask, other=0.0)
             s = _scores(q, k, bias, reg_m, reg_n, inwin_n, scale, SHIFTED, PRECISION)
             m = tl.max(s, 1)
             p = tl.exp2((s - m[:, None]) * 1.4426950408889634)
@@ -193,26 +214,24 @@ def window_attn_bwd_kernel(
             ds = p * (dp - tl.sum(p * dp, 1)[:, None])  # gradient of the scores (= of bias + mask)
             dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
-            tl.store(dq_ptr + (b * sdq_b + sy * sdq_y + sx * sdq_x)[:, None] + h * sdq_h + offs_d[None, :],
-                     dq.to(dq_ptr.dtype.element_ty), mask=io_mask)
-            if NUM_M == 1:
+            tl.store(dq_ptr + _offsets(b, sy, sx, sdq_b, sdq_y, sdq_x, h, sdq_h, offs_d),
+                     dq.to(dq_ptr.dtype.element_ty), mask=real_m[:, None] & dmask[None, :])
+            if ONE_BLOCK:
                 dbias_acc += ds
             else:  # the program owns its slice: plain read-add-write, no atomics
                 ptrs = dbias_base + offs_m[:, None] * L + offs_n[None, :]
                 ok = (offs_m < L)[:, None] & (offs_n < L)[None, :]
                 tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + ds, mask=ok)
         dk = dk * scale
-        sy_n = ((wa // AGW) * WH + offs_n // WW + ASH) % H
-        sx_n = ((wa % AGW) * WW + offs_n % WW + ASW) % W
-        kv_addr = (b * sdq_b + sy_n * sdq_y + sx_n * sdq_x)[:, None] + h * sdq_h + offs_d[None, :]
+        kv_offs = _offsets(b, sy_n, sx_n, sdq_b, sdq_y, sdq_x, h, sdq_h, offs_d)
         kv_mask = real_n[:, None] & dmask[None, :]
-        tl.store(dk_ptr + kv_addr, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(dv_ptr + kv_addr, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(dk_ptr + kv_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
         if HAS_FILL:  # padded tokens hold the qkv bias: their k/v gradients flow to it
             pad = (inwin_n & (real_n == 0))[:, None]
             dfill_k += tl.sum(tl.where(pad, dk, 0.0), 0)
             dfill_v += tl.sum(tl.where(pad, dv, 0.0), 0)
-    if NUM_M == 1:
+    if ONE_BLOCK:
         ok = (offs_n < L)[:, None] & (offs_n < L)[None, :]
         tl.store(dbias_base + offs_n[:, None] * L + offs_n[None, :], dbias_acc, mask=ok)
     if HAS_FILL:

@@ -28,7 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.flash_window import _launch_config  # noqa: E402
+from kernels.flash_window import _launch_config, kernel_constants  # noqa: E402
 from kernels.flash_window_triton import window_attn_bwd_kernel, window_attn_fwd_kernel  # noqa: E402
 
 HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
@@ -66,14 +66,11 @@ def _ptxas_report(ptx: str, arch: str) -> str:
 
 
 def report(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool, capability: int) -> list[str]:
-    data_ptr, elem_size = DTYPES[dtype]
+    data_ptr, _ = DTYPES[dtype]
     lines = []
     for fn, backward in ((window_attn_fwd_kernel, False), (window_attn_bwd_kernel, True)):
-        cfg = _launch_config(1024, 4, window[0] * window[1], head_dim, torch.device("cpu"), backward=backward,
-                             elem_size=elem_size)
-        constants = dict(WH=window[0], WW=window[1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                         BLOCK_D=cfg["BLOCK_D"], NUM_M=cfg["NUM_M"], SHIFTED=shifted, HAS_FILL=False,
-                         PRECISION="ieee" if dtype == "fp32" else "tf32", STAGES=cfg["STAGES"])
+        cfg = _launch_config(1024, 4, window[0] * window[1], head_dim, torch.device("cpu"), backward=backward)
+        constants = kernel_constants(cfg, window, shifted, False, torch.float32 if dtype == "fp32" else torch.bfloat16)
         signature = _signature(fn, constants, data_ptr)
         # as on the device for Swin shapes: pointers and strides are multiples of 16
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
