@@ -5,9 +5,10 @@ import subprocess
 
 import pytest
 import torch
-from _train_utils import DET, REPO, cli_env, free_port, model_weights, torchrun_cmd, train_inprocess
+from _train_utils import DET, REPO, cli_env, free_port, make_cfg, model_weights, torchrun_cmd, train_inprocess
 
 ARGS = [*DET, "data.train_limit=128", "data.val_limit=64"]  # 4 updates/epoch of global batch 32
+LR = make_cfg(*ARGS).train.lr  # the largest change one AdamW step makes to a weight is about LR
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,15 @@ def _check_same_as_single(run, single_process):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
         assert a["top1"] == pytest.approx(b["top1"], abs=1e-6)  # same images, same predictions
     got, want = model_weights(run / "checkpoints/last.pt"), model_weights(ref_dir / "checkpoints/last.pt")
+    # Two half-batch gradients summed by gloo round differently from one full-batch gradient (last fp32
+    # bits). AdamW divides by sqrt(v), so where a gradient is near zero that rounding can become a visible
+    # part of one step (seen: 2.2e-5 on one of 135k weights). Every weight stays within 1/40 of a step, and
+    # all but a handful agree to rounding (seen: 99.9th percentile 3e-7).
+    diffs = []
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=LR / 40, msg=lambda m, k=k: f"{k}: {m}")
+        diffs.append((got[k].double() - want[k].double()).abs().flatten())
+    assert torch.cat(diffs).quantile(0.999).item() < 2e-6
 
 
 def test_two_processes_equal_one(tmp_path, single_process):
