@@ -79,7 +79,7 @@ def _tuning(name: str, default: int) -> int:
 
 
 def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: int, device: torch.device,
-                   backward: bool = False) -> dict:
+                   backward: bool = False, itemsize: int = 2) -> dict:
     block_n = max(16, triton.next_power_of_2(window_area))
     # windows of more than 64 tokens take 16-row query blocks: with 32 or 64 rows the (rows, 128 or 256)
     # score tiles spill registers or overflow shared memory (H100, Swin-B 384 stage 1, bf16: forward
@@ -97,9 +97,18 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     # 8 warps only for the 256-token backward (measured on the H100: 12x12 and 10x10 windows, bf16)
     default_warps = 8 if (block_n >= 256 and backward) else 4
     warps = _tuning("BWD_WARPS" if backward else "WARPS", default_warps)
-    return dict(programs=programs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                NUM_M=triton.cdiv(window_area, block_m), num_warps=warps,
-                STAGES=_tuning("BWD_STAGES" if backward else "STAGES", 1))
+    num_m = triton.cdiv(window_area, block_m)
+    # head_dim == BLOCK_D: loads and stores without a channel mask. Forward only: compiled for sm_90
+    # (scripts/kernel_resources.py, Triton 3.8) it saves the forward registers and spills (7x7 bf16
+    # 213 -> 199 registers, 12x12 440 -> 340 B of spills) but makes the backward spill more (12x12 16 -> 188 B)
+    even_d = block_d == head_dim and not backward
+    # forward PREFETCH: the next window's q/k/v are loaded before the current window is computed. Only for
+    # one-block windows of 16-bit data: compiled for sm_90 it costs 7x7 bf16 7 registers (no spills), while
+    # fp32 or 256-key tiles (and the backward) spill. Off until measured on the GPU (tune_flash_window.py).
+    prefetch = bool(_tuning("PREFETCH", 0)) and not backward and num_m == 1 and itemsize == 2
+    cfg = dict(programs=programs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_M=num_m,
+               num_warps=warps, EVEN_D=even_d, STAGES=_tuning("BWD_STAGES" if backward else "STAGES", 1))
+    return cfg if backward else {**cfg, "PREFETCH": prefetch}
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -128,7 +137,7 @@ def _launch_plan(q5: torch.Tensor, geo: _Geometry, fill: torch.Tensor | None, ba
     heads, head_dim = q5.shape[3], q5.shape[4]
     wh, ww = geo.window
     total = q5.shape[0] * geo.addr_grid[0] * geo.addr_grid[1]
-    cfg = _launch_config(total, heads, wh * ww, head_dim, q5.device, backward=backward)
+    cfg = _launch_config(total, heads, wh * ww, head_dim, q5.device, backward=backward, itemsize=q5.element_size())
     keywords = kernel_constants(cfg, geo.window, any(geo.mask_shift), fill is not None, q5.dtype)
     return cfg, {**keywords, "num_warps": cfg["num_warps"]}, total
 
@@ -136,9 +145,10 @@ def _launch_plan(q5: torch.Tensor, geo: _Geometry, fill: torch.Tensor | None, ba
 def kernel_constants(cfg: dict, window: tuple[int, int], shifted: bool, has_fill: bool, dtype: torch.dtype
                      ) -> dict:
     """The kernels' constexpr arguments for a launch config (also used by scripts/kernel_resources.py)."""
-    return dict(WH=window[0], WW=window[1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-                NUM_M=cfg["NUM_M"], SHIFTED=shifted, HAS_FILL=has_fill,
-                PRECISION="ieee" if dtype == torch.float32 else "tf32", STAGES=cfg["STAGES"])
+    # every config entry but the launch-only ones is a constexpr of the kernel (PREFETCH: forward only)
+    tiling = {k: v for k, v in cfg.items() if k not in ("programs", "num_warps")}
+    return dict(WH=window[0], WW=window[1], SHIFTED=shifted, HAS_FILL=has_fill,
+                PRECISION="ieee" if dtype == torch.float32 else "tf32", **tiling)
 
 
 def _launch(kernel, grid: tuple[int, int], *args, **keywords):

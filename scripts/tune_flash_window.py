@@ -21,7 +21,8 @@ import torch  # noqa: E402
 from kernels.flash_window import flash_window_attention  # noqa: E402
 from scripts.bench_attention import median_ms  # noqa: E402
 
-DEFAULT_CONFIGS = ["", "PROGRAMS_PER_SM=8,BWD_PROGRAMS_PER_SM=8", "STAGES=2,BWD_STAGES=2", "BWD_WARPS=8",
+DEFAULT_CONFIGS = ["", "PREFETCH=1", "PREFETCH=1,PROGRAMS_PER_SM=8", "PREFETCH=1,PROGRAMS_PER_SM=32",
+                   "PROGRAMS_PER_SM=8,BWD_PROGRAMS_PER_SM=8", "STAGES=2,BWD_STAGES=2", "BWD_WARPS=8",
                    "WARPS=8,BWD_WARPS=8"]
 
 

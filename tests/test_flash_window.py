@@ -74,6 +74,19 @@ def test_window_op_matches_float64(case):
     check_window_op(*case)
 
 
+@pytest.mark.parametrize("case", [
+    (1, (3, 3), (7, 7), (3, 3), 2, 48, torch.float16),  # 9 windows over the interpreter's 4 programs
+    (3, (1, 2), (4, 4), (2, 2), 1, 16, torch.float16),  # 6 windows: the last prefetch lies past the end
+], ids=["w7d48", "w4d16"])
+def test_window_op_forward_prefetch(case, monkeypatch):
+    """The forward's PREFETCH variant (SWIN_FW_PREFETCH=1, a tuning knob) gives the same numbers."""
+    monkeypatch.setenv("SWIN_FW_PREFETCH", "1")
+    check_window_op(*case)
+    if DEVICE == "cpu":
+        from kernels.flash_window import _launch_config
+        assert _launch_config(9, 2, 49, 48, torch.device(DEVICE))["PREFETCH"]
+
+
 @pytest.mark.slow
 def test_window_op_16x16_window():
     check_window_op(1, (1, 2), (16, 16), (8, 8), 1, 16, torch.float32)
