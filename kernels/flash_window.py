@@ -4,7 +4,8 @@ Two ops, both ``torch.library.triton_op`` with autograd, so they run inside
 ``torch.compile(fullgraph=True)`` without graph breaks. A triton_op's body is visible to the compiler:
 inductor inlines the kernel launches (through ``wrap_triton``) and the small torch ops around them
 into its generated code, instead of calling back into this Python glue on every step (which made a
-compiled training step host-bound):
+compiled training step host-bound). Under the Triton interpreter (CPU) they are opaque custom ops
+instead (see ``_kernel_op``), so compiled models still compute the right numbers there:
 
 * ``flash_window_attention(q, k, v, bias_table, ...)``: window layout, q/k/v of shape
   (B * num_windows, heads, L, head_dim), windows of each image in row-major order (what
@@ -27,7 +28,7 @@ import os
 import torch
 import triton
 from torch._subclasses.fake_tensor import is_fake
-from torch.library import triton_op, wrap_triton
+from torch.library import custom_op, triton_op, wrap_triton
 
 from swin.windows import WindowSpec, relative_position_index
 
@@ -153,11 +154,30 @@ def kernel_constants(cfg: dict, window: tuple[int, int], shifted: bool, has_fill
 
 def _launch(kernel, grid: tuple[int, int], *args, **keywords):
     """Launches a kernel through wrap_triton, so torch.compile sees (and inlines) the launch."""
-    if _interpreting() and any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
-        # under TRITON_INTERPRET the kernel is a plain Python function that wrap_triton passes through
-        # untraced; fake tensors (shape propagation) have no data to run it on
-        return None
+    if _interpreting():
+        # the interpreter runs the kernel as Python on real tensors; fake tensors (the ops' shape
+        # functions, see _kernel_op) have no data to run it on
+        if any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
+            return None
+        return kernel[grid](*args, **keywords)
     return wrap_triton(kernel)[grid](*args, **keywords)
+
+
+def _kernel_op(name: str):
+    """A ``triton_op``: torch.compile traces into its body and inlines the kernel launches.
+
+    Under TRITON_INTERPRET a kernel is plain Python that compile cannot trace, so the op is an opaque
+    ``custom_op`` there (the body, which skips launches on fake tensors, is its shape function); tracing
+    into it would record the output allocation without the kernel that fills it.
+    """
+    if not _interpreting():
+        return triton_op(name, mutates_args=())
+
+    def register(fn):
+        op = custom_op(name, fn, mutates_args=())
+        op.register_fake(fn)
+        return op
+    return register
 
 
 def _forward(q5, k5, v5, out, table, fill, geo: _Geometry, scale: float) -> None:
@@ -213,7 +233,7 @@ def _as_image(t: torch.Tensor, window: list[int]) -> torch.Tensor:
     return t.as_strided((bw, window[0], window[1], heads, hd), (s[0], window[1] * s[2], s[2], s[1], 1))
 
 
-@triton_op("swin::flash_window_attn", mutates_args=())
+@_kernel_op("swin::flash_window_attn")
 def _window_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_table: torch.Tensor,
                window: list[int], shift: list[int], grid: list[int], scale: float) -> torch.Tensor:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -223,7 +243,7 @@ def _window_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_table: to
     return out
 
 
-@triton_op("swin::flash_window_attn_bwd", mutates_args=())
+@_kernel_op("swin::flash_window_attn_bwd")
 def _window_op_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    bias_table: torch.Tensor, rel_index: torch.Tensor, window: list[int], shift: list[int],
                    grid: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -288,7 +308,7 @@ def _qkv_views(qkv: torch.Tensor) -> list[torch.Tensor]:
     return list(qkv.unbind(3))
 
 
-@triton_op("swin::flash_window_attn_image", mutates_args=())
+@_kernel_op("swin::flash_window_attn_image")
 def _image_op(qkv: torch.Tensor, bias_table: torch.Tensor, rel_index: torch.Tensor, kv_fill: torch.Tensor | None,
               window: list[int], shift: list[int], scale: float) -> torch.Tensor:
     if qkv.stride(-1) != 1:
@@ -301,7 +321,7 @@ def _image_op(qkv: torch.Tensor, bias_table: torch.Tensor, rel_index: torch.Tens
     return out
 
 
-@triton_op("swin::flash_window_attn_image_bwd", mutates_args=())
+@_kernel_op("swin::flash_window_attn_image_bwd")
 def _image_op_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, bias_table: torch.Tensor, rel_index: torch.Tensor,
                   kv_fill: torch.Tensor | None, window: list[int], shift: list[int], scale: float
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
