@@ -37,6 +37,7 @@ rule is applied to CPU self time.
 Examples:
     python scripts/benchmark.py out_dir=$OUT/bench                          # default grid (Swin-T, b128, bf16)
     python scripts/benchmark.py grid=quick                                   # eager rows only, ~1 min
+    python scripts/benchmark.py grid=cudagraphs                              # compiled rows, also reduce-overhead
     python scripts/benchmark.py model=swin_base_patch4_window12_384 grid.batch_size=[64]
     python scripts/benchmark.py profile.enabled=true
     python scripts/benchmark.py -m model=swin_tiny_patch4_window7_224,swin_base_patch4_window7_224

@@ -71,3 +71,20 @@ def test_benchmark_cpu(tmp_path):
             assert positive(r["train_speedup_vs_best_timm"])
     assert (out / "benchmark.png").stat().st_size > 1000
     assert "| ours | flash_window | no | 2 | fp32 |" in (out / "benchmark.md").read_text()
+
+
+@pytest.mark.parametrize("grid", sorted(p.stem for p in (ROOT / "configs/grid").glob("*.yaml")))
+def test_every_grid_config_expands(grid):
+    """Each configs/grid/ entry composes with configs/benchmark.yaml and expands into valid rows."""
+    from hydra import compose, initialize_config_dir
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from benchmark import expand_grid
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("benchmark", overrides=[f"grid={grid}"])
+    specs = expand_grid(cfg.grid)
+    assert specs and all(s.batch_size > 0 for s in specs)
+    assert {s.compile_mode for s in specs} <= {None, "default", "reduce-overhead", "max-autotune",
+                                               "max-autotune-no-cudagraphs"}
+    assert cfg.steps.timed > 0 and cfg.steps.repeats > 0
