@@ -5,6 +5,7 @@ TRITON_INTERPRET=1): fp32 and fp16, small shapes. GPU tests (bf16 included) skip
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import swin
 from kernels.flash_window import flash_window_attention, flash_window_attention_image
@@ -165,6 +166,37 @@ def test_model_compiled_fullgraph_matches_standard():
     (ref * probe).sum().backward()
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):
         assert rel_err(q.grad, p.grad) < 1e-4, name
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("attention", ["flash_window", "standard"])
+def test_flash_block_moves_no_data_around_attention(attention):
+    """Issue 4: in a shifted, padded block the flash path reads qkv and writes its output in image layout:
+    no roll, pad, partition permute or copy around attention, forward or backward. The standard
+    backend, recorded the same way, shows those ops (so the recorder sees them)."""
+    model = swin.create_model("swin_micro", attention=attention, img_size=(22, 26)).to(DEVICE)
+    block = model.layers[0].blocks[1]
+    assert any(block.shift_size)
+    x = torch.randn(2, *block.feat_size, block.norm1.normalized_shape[0], device=DEVICE, requires_grad=True)
+    assert block.spec_for(block.feat_size).padded
+    with _OpRecorder() as recorder:
+        block(x).sum().backward()
+    moves = {"roll", "constant_pad_nd", "pad", "clone", "copy_", "_to_copy", "permute", "cat", "index",
+             "_unsafe_view", "contiguous", "as_strided"} & recorder.ops
+    if attention == "flash_window":
+        assert {"flash_window_attn_image", "flash_window_attn_image_bwd"} <= recorder.ops
+        assert not moves, moves
+    else:
+        assert {"roll", "constant_pad_nd", "permute"} <= moves
 
 
 def test_opcheck():
