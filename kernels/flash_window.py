@@ -99,16 +99,12 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     default_warps = 8 if (block_n >= 256 and backward) else 4
     warps = _tuning("BWD_WARPS" if backward else "WARPS", default_warps)
     num_m = triton.cdiv(window_area, block_m)
-    # head_dim == BLOCK_D: loads and stores without a channel mask. Forward only: compiled for sm_90
-    # (scripts/kernel_resources.py, Triton 3.8) it saves the forward registers and spills (7x7 bf16
-    # 213 -> 199 registers, 12x12 440 -> 340 B of spills) but makes the backward spill more (12x12 16 -> 188 B)
-    even_d = block_d == head_dim and not backward
     # forward PREFETCH: the next window's q/k/v are loaded before the current window is computed. Only for
     # one-block windows of 16-bit data: compiled for sm_90 it costs 7x7 bf16 7 registers (no spills), while
     # fp32 or 256-key tiles (and the backward) spill. Off until measured on the GPU (tune_flash_window.py).
     prefetch = bool(_tuning("PREFETCH", 0)) and not backward and num_m == 1 and itemsize == 2
     cfg = dict(programs=programs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_M=num_m,
-               num_warps=warps, EVEN_D=even_d, STAGES=_tuning("BWD_STAGES" if backward else "STAGES", 1))
+               num_warps=warps, STAGES=_tuning("BWD_STAGES" if backward else "STAGES", 1))
     return cfg if backward else {**cfg, "PREFETCH": prefetch}
 
 

@@ -71,7 +71,7 @@ def _offsets(b, sy, sx, s_b, s_y, s_x, h, s_h, offs_d):
 def _window_tokens(g, offs, L, H, W, WH: tl.constexpr, WW: tl.constexpr, AGH, AGW, ASH, ASW,
                    MGH, MGW, MSH, MSW, q_ptr, k_ptr, v_ptr, s_b, s_y, s_x, h, s_h,
                    do_ptr, sdo_b, sdo_y, sdo_x, sdo_h, offs_d, HD, fill_ptr, NH, valid,
-                   HAS_FILL: tl.constexpr, LOAD_Q: tl.constexpr, LOAD_DO: tl.constexpr, EVEN_D: tl.constexpr):
+                   HAS_FILL: tl.constexpr, LOAD_Q: tl.constexpr, LOAD_DO: tl.constexpr):
     """Geometry and K, V (and Q, dO if asked) tiles of window g; `valid` false (a prefetch past the
     last window) loads nothing."""
     b, sy, sx, inwin, real, reg = _token_geometry(g, offs, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
@@ -79,7 +79,7 @@ def _window_tokens(g, offs, L, H, W, WH: tl.constexpr, WW: tl.constexpr, AGH, AG
     inwin = inwin & valid
     real = real & valid
     offs_qkv = _offsets(b, sy, sx, s_b, s_y, s_x, h, s_h, offs_d)
-    io_mask = _io_mask(real, offs_d, HD, EVEN_D)
+    io_mask = _io_mask(real, offs_d, HD)
     k = _load_tokens(k_ptr, offs_qkv, io_mask, real, inwin, h, offs_d, HD, fill_ptr, HAS_FILL)
     v = _load_tokens(v_ptr, offs_qkv, io_mask, real, inwin, h, offs_d, HD, fill_ptr + NH * HD, HAS_FILL)
     q = k
@@ -92,11 +92,8 @@ def _window_tokens(g, offs, L, H, W, WH: tl.constexpr, WW: tl.constexpr, AGH, AG
 
 
 @triton.jit
-def _io_mask(real, offs_d, HD, EVEN_D: tl.constexpr):
-    """(tokens, BLOCK_D) load/store mask of real tokens; with EVEN_D (head_dim == BLOCK_D) it is constant
-    along the channels, so loads and stores stay 16-byte vectors."""
-    if EVEN_D:
-        return real[:, None] & tl.full((1, offs_d.shape[0]), 1, tl.int1)
+def _io_mask(real, offs_d, HD):
+    """(tokens, BLOCK_D) load/store mask: real tokens, channels below head_dim."""
     return real[:, None] & (offs_d < HD)[None, :]
 
 
@@ -136,7 +133,7 @@ def window_attn_fwd_kernel(
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
     SHIFTED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-    EVEN_D: tl.constexpr, PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -151,7 +148,7 @@ def window_attn_fwd_kernel(
         _b, _y, _x, _i, _r, _g, k_next, v_next, q_next, _do = _window_tokens(
             pid, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW,
             q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, h, sq_h, q_ptr, 0, 0, 0, 0,
-            offs_d, HD, fill_ptr, NH, pid < G, HAS_FILL, ONE_BLOCK, False, EVEN_D)
+            offs_d, HD, fill_ptr, NH, pid < G, HAS_FILL, ONE_BLOCK, False)
     for g in tl.range(pid, G, nprog, num_stages=STAGES):
         if PREFETCH:
             k, v, q_n = k_next, v_next, q_next
@@ -161,12 +158,12 @@ def window_attn_fwd_kernel(
             _b, _y, _x, _i, _r, _g, k_next, v_next, q_next, _do = _window_tokens(
                 g_next, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW,
                 q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, h, sq_h, q_ptr, 0, 0, 0, 0,
-                offs_d, HD, fill_ptr, NH, g_next < G, HAS_FILL, ONE_BLOCK, False, EVEN_D)
+                offs_d, HD, fill_ptr, NH, g_next < G, HAS_FILL, ONE_BLOCK, False)
         else:
             b, sy_n, sx_n, inwin_n, real_n, reg_n, k, v, q_n, _do = _window_tokens(
                 g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW,
                 q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, h, sq_h, q_ptr, 0, 0, 0, 0,
-                offs_d, HD, fill_ptr, NH, g < G, HAS_FILL, ONE_BLOCK, False, EVEN_D)
+                offs_d, HD, fill_ptr, NH, g < G, HAS_FILL, ONE_BLOCK, False)
         for mb in range(NUM_M):
             if ONE_BLOCK:
                 sy, sx, real_m, reg_m, q, bias = sy_n, sx_n, real_n, reg_n, q_n, bias0
@@ -175,7 +172,7 @@ def window_attn_fwd_kernel(
                 _b_m, sy, sx, _inwin_m, real_m, reg_m = _token_geometry(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
                                                                         MGH, MGW, MSH, MSW)
                 q = tl.load(q_ptr + _offsets(b, sy, sx, sq_b, sq_y, sq_x, h, sq_h, offs_d),
-                            mask=_io_mask(real_m, offs_d, HD, EVEN_D), other=0.0)
+                            mask=_io_mask(real_m, offs_d, HD), other=0.0)
                 bias = _bias_tile(table_ptr, h, NH, offs_m, offs_n, L, WH, WW)
             s = _scores(q, k, bias, reg_m, reg_n, inwin_n, scale, SHIFTED, PRECISION)
             m = tl.max(s, 1)
@@ -183,7 +180,7 @@ def window_attn_fwd_kernel(
             denom = tl.sum(p, 1)
             o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION) / denom[:, None]
             tl.store(o_ptr + _offsets(b, sy, sx, so_b, so_y, so_x, h, so_h, offs_d), o.to(o_ptr.dtype.element_ty),
-                     mask=_io_mask(real_m, offs_d, HD, EVEN_D))
+                     mask=_io_mask(real_m, offs_d, HD))
 
 
 @triton.jit
@@ -196,7 +193,6 @@ def window_attn_bwd_kernel(
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
     SHIFTED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-    EVEN_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -217,7 +213,7 @@ def window_attn_bwd_kernel(
         b, sy_n, sx_n, inwin_n, real_n, reg_n, k, v, q_n, do_n = _window_tokens(
             g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW,
             q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, h, sq_h, do_ptr, sdo_b, sdo_y, sdo_x, sdo_h,
-            offs_d, HD, fill_ptr, NH, g < G, HAS_FILL, ONE_BLOCK, ONE_BLOCK, EVEN_D)
+            offs_d, HD, fill_ptr, NH, g < G, HAS_FILL, ONE_BLOCK, ONE_BLOCK)
         dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         for mb in range(NUM_M):
@@ -227,7 +223,7 @@ def window_attn_bwd_kernel(
             else:
                 _b_m, sy, sx, _inwin_m, real_m, reg_m = _token_geometry(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
                                                                         MGH, MGW, MSH, MSW)
-                io_mask_m = _io_mask(real_m, offs_d, HD, EVEN_D)
+                io_mask_m = _io_mask(real_m, offs_d, HD)
                 q = tl.load(q_ptr + _offsets(b, sy, sx, sq_b, sq_y, sq_x, h, sq_h, offs_d), mask=io_mask_m, other=0.0)
                 do = tl.load(do_ptr + _offsets(b, sy, sx, sdo_b, sdo_y, sdo_x, h, sdo_h, offs_d),
                              mask=io_mask_m, other=0.0)
@@ -242,7 +238,7 @@ def window_attn_bwd_kernel(
             dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
             tl.store(dq_ptr + _offsets(b, sy, sx, sdq_b, sdq_y, sdq_x, h, sdq_h, offs_d),
-                     dq.to(dq_ptr.dtype.element_ty), mask=_io_mask(real_m, offs_d, HD, EVEN_D))
+                     dq.to(dq_ptr.dtype.element_ty), mask=_io_mask(real_m, offs_d, HD))
             if ONE_BLOCK:
                 dbias_acc += ds
             else:  # the program owns its slice: plain read-add-write, no atomics
@@ -251,7 +247,7 @@ def window_attn_bwd_kernel(
                 tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + ds, mask=ok)
         dk = dk * scale
         kv_offs = _offsets(b, sy_n, sx_n, sdq_b, sdq_y, sdq_x, h, sdq_h, offs_d)
-        kv_mask = _io_mask(real_n, offs_d, HD, EVEN_D)
+        kv_mask = _io_mask(real_n, offs_d, HD)
         tl.store(dk_ptr + kv_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
         if HAS_FILL:  # padded tokens hold the qkv bias: their k/v gradients flow to it

@@ -7,10 +7,11 @@ Triton compiles ahead of time for a GPUTarget on any machine, and the ptxas that
 reports registers, spills and the stack; Triton's metadata gives the shared memory. Registers and
 spills decide occupancy (latency hiding) and shared memory decides whether a configuration launches
 at all (227 KB per block on Hopper), so kernel changes can be checked here before spending device
-time. Pointers and strides are declared multiples of 16 as on the device; other integers stay
-unspecialised, and the local Triton may be newer than the device's, so absolute register counts
-differ (7x7 bf16 forward: 218 here with Triton 3.8, 175 on the H100 with Triton 3.6). Use it to
-compare variants with each other and to check shared memory; confirm on the device.
+time. Pointers, strides and head_dim (where it is) are declared multiples of 16, as Triton specialises
+them on the device; other integers stay unspecialised, and the local Triton may be newer than the
+device's, so absolute register counts differ (7x7 bf16 forward at commit ed9d92c: 201 here with Triton
+3.8, 175 on the H100 with Triton 3.6). Use it to compare variants with each other and to check shared
+memory; confirm on the device.
 """
 from __future__ import annotations
 
@@ -73,10 +74,11 @@ def report(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool, ca
                              itemsize=DTYPES[dtype][1])
         constants = kernel_constants(cfg, window, shifted, False, torch.float32 if dtype == "fp32" else torch.bfloat16)
         signature = _signature(fn, constants, data_ptr)
-        # as on the device for Swin shapes: pointers and strides are multiples of 16
+        # as on the device for Swin shapes: pointers and strides are multiples of 16, head_dim where it is
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                  if name in signature and signature[name] != "constexpr"
-                 and (name.endswith("_ptr") or re.fullmatch(r"s[a-z]+_[bxyh]", name))}
+                 and (name.endswith("_ptr") or re.fullmatch(r"s[a-z]+_[bxyh]", name)
+                      or (name == "HD" and head_dim % 16 == 0))}
         source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                                   options=dict(num_warps=cfg["num_warps"]))
