@@ -100,8 +100,9 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     warps = _tuning("BWD_WARPS" if backward else "WARPS", default_warps)
     num_m = triton.cdiv(window_area, block_m)
     # forward PREFETCH: the next window's q/k/v are loaded before the current window is computed. Only for
-    # one-block windows of 16-bit data: compiled for sm_90 it costs 7x7 bf16 7 registers (no spills), while
-    # fp32 or 256-key tiles (and the backward) spill. Off until measured on the GPU (tune_flash_window.py).
+    # one-block windows of 16-bit data: compiled for sm_90 it costs 7x7 bf16 4 (head_dim 32) to 25 (48)
+    # registers and no spills, while fp32 or 256-key tiles (and the backward) spill. Off until timed on the
+    # GPU (scripts/tune_flash_window.py sweeps it).
     prefetch = bool(_tuning("PREFETCH", 0)) and not backward and num_m == 1 and itemsize == 2
     cfg = dict(programs=programs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_M=num_m,
                num_warps=warps, STAGES=_tuning("BWD_STAGES" if backward else "STAGES", 1))
@@ -149,7 +150,8 @@ def kernel_constants(cfg: dict, window: tuple[int, int], shifted: bool, has_fill
 
 
 def _launch(kernel, grid: tuple[int, int], *args, **keywords):
-    """Launches a kernel through wrap_triton, so torch.compile sees (and inlines) the launch."""
+    """Launches a kernel through wrap_triton, so torch.compile sees (and inlines) the launch; directly
+    under the Triton interpreter."""
     if _interpreting():
         # the interpreter runs the kernel as Python on real tensors; fake tensors (the ops' shape
         # functions, see _kernel_op) have no data to run it on
