@@ -67,11 +67,11 @@ def _ptxas_report(ptx: str, arch: str) -> str:
 
 
 def report(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool, capability: int) -> list[str]:
-    data_ptr, _ = DTYPES[dtype]
+    data_ptr, itemsize = DTYPES[dtype]
     lines = []
     for fn, backward in ((window_attn_fwd_kernel, False), (window_attn_bwd_kernel, True)):
         cfg = _launch_config(1024, 4, window[0] * window[1], head_dim, torch.device("cpu"), backward=backward,
-                             itemsize=DTYPES[dtype][1])
+                             itemsize=itemsize)
         constants = kernel_constants(cfg, window, shifted, False, torch.float32 if dtype == "fp32" else torch.bfloat16)
         signature = _signature(fn, constants, data_ptr)
         # as on the device for Swin shapes: pointers and strides are multiples of 16, head_dim where it is

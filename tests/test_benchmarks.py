@@ -78,8 +78,7 @@ def test_every_grid_config_expands(grid):
     """Each configs/grid/ entry composes with configs/benchmark.yaml and expands into valid rows."""
     from hydra import compose, initialize_config_dir
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from benchmark import expand_grid
+    from scripts.benchmark import expand_grid
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("benchmark", overrides=[f"grid={grid}"])
