@@ -109,35 +109,48 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     return cfg if backward else {**cfg, "PREFETCH": prefetch}
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
-    """(b, y, x, head) strides of a (B, H, W, heads, head_dim) view whose last dim is contiguous."""
+Strides = tuple[int, int, int, int]  # (b, y, x, head) element strides of (B, H, W, heads, head_dim) tokens
+
+
+def _image_strides(t: torch.Tensor) -> Strides:
+    """Strides of a (B, H, W, heads, head_dim) tensor, or of one of q/k/v in (B, H, W, 3, heads, head_dim)."""
     assert t.stride(-1) == 1
-    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+    return t.stride(0), t.stride(1), t.stride(2), t.stride(-2)
+
+
+def _window_strides(t: torch.Tensor, window: list[int]) -> Strides:
+    """(B * num_windows, heads, L, head_dim) tokens addressed as images of one (Wh, Ww) window each."""
+    assert t.stride(-1) == 1
+    s = t.stride()[-4:]
+    return s[0], window[1] * s[2], s[2], s[1]
 
 
 class _Geometry:
-    """Launch geometry: addressing images (H, W) of (AGH, AGW) windows shifted by (ASH, ASW), and the
-    mask image of (MGH, MGW) windows with shift (MSH, MSW)."""
+    """Launch geometry: `images` addressing images (H, W) of (AGH, AGW) windows shifted by (ASH, ASW), and
+    the mask image of (MGH, MGW) windows with shift (MSH, MSW)."""
 
-    def __init__(self, window: tuple[int, int], feat: tuple[int, int], addr_grid: tuple[int, int],
+    def __init__(self, images: int, window: tuple[int, int], feat: tuple[int, int], addr_grid: tuple[int, int],
                  addr_shift: tuple[int, int], mask_grid: tuple[int, int], mask_shift: tuple[int, int]):
-        self.window, self.feat = window, feat
+        self.images, self.window, self.feat = images, window, feat
         self.addr_grid, self.addr_shift = addr_grid, addr_shift
         self.mask_grid, self.mask_shift = mask_grid, mask_shift
+
+    @property
+    def total_windows(self) -> int:
+        return self.images * self.addr_grid[0] * self.addr_grid[1]
 
     def ints(self) -> tuple[int, ...]:
         return (*self.feat, *self.addr_grid, *self.addr_shift, *self.mask_grid, *self.mask_shift)
 
 
-def _launch_plan(q5: torch.Tensor, geo: _Geometry, fill: torch.Tensor | None, backward: bool
-                 ) -> tuple[dict, dict, int]:
-    """(launch config, the kernels' shared constexpr/launch keywords, total windows) for one call."""
-    heads, head_dim = q5.shape[3], q5.shape[4]
+def _launch_plan(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry, fill: torch.Tensor | None,
+                 backward: bool) -> tuple[dict, dict]:
+    """(launch config, the kernels' shared constexpr/launch keywords) for one call on data like x."""
     wh, ww = geo.window
-    total = q5.shape[0] * geo.addr_grid[0] * geo.addr_grid[1]
-    cfg = _launch_config(total, heads, wh * ww, head_dim, q5.device, backward=backward, itemsize=q5.element_size())
-    keywords = kernel_constants(cfg, geo.window, any(geo.mask_shift), fill is not None, q5.dtype)
-    return cfg, {**keywords, "num_warps": cfg["num_warps"]}, total
+    cfg = _launch_config(geo.total_windows, heads, wh * ww, head_dim, x.device, backward=backward,
+                         itemsize=x.element_size())
+    keywords = kernel_constants(cfg, geo.window, any(geo.mask_shift), fill is not None, x.dtype)
+    return cfg, {**keywords, "num_warps": cfg["num_warps"]}
 
 
 def kernel_constants(cfg: dict, window: tuple[int, int], shifted: bool, has_fill: bool, dtype: torch.dtype
@@ -178,14 +191,17 @@ def _kernel_op(name: str):
     return register
 
 
-def _forward(q5, k5, v5, out, table, fill, geo: _Geometry, scale: float) -> None:
-    """Writes out (a (B, H, W, heads, head_dim) view like q5)."""
-    heads, head_dim = q5.shape[3], q5.shape[4]
-    cfg, keywords, total = _launch_plan(q5, geo, fill, backward=False)
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: Strides, out: torch.Tensor,
+             so: Strides, heads: int, head_dim: int, table, fill, geo: _Geometry, scale: float) -> None:
+    """Writes out. q, k, v: the same tensor s_t elements apart (qkv) or separate tensors (s_t = 0).
+
+    Every tensor reaches the kernel whole, never as a view: torch.compile then passes the buffers through
+    untouched, where a written view (or, through wrap_triton's analysis, a read one) costs a copy."""
+    cfg, keywords = _launch_plan(q, heads, head_dim, geo, fill, backward=False)
     table = table.detach().contiguous()
-    kernel = _launch(window_attn_fwd_kernel, (cfg["programs"], heads),
-        q5, k5, v5, *_strides(q5), out, *_strides(out), table, fill if fill is not None else table,
-        total, geo.window[0] * geo.window[1], *geo.ints(), head_dim, heads, scale, **keywords)
+    kernel = _launch(window_attn_fwd_kernel, (cfg["programs"], heads), q, k, v, s_t, *sq, out, *so,
+                     table, fill if fill is not None else table,
+                     geo.total_windows, geo.window[0] * geo.window[1], *geo.ints(), head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
 
 
@@ -195,22 +211,22 @@ def _report(kernel, cfg: dict) -> None:
         print(f"[flash_window] {kernel.name}: {kernel.n_regs} registers, {kernel.n_spills} spills, {cfg}")
 
 
-def _backward(q5, k5, v5, do5, dq5, dk5, dv5, table, rel_index, fill, geo: _Geometry, scale: float):
-    """Writes dq5/dk5/dv5; returns (bias table gradient, fill gradient or None)."""
-    heads, head_dim = q5.shape[3], q5.shape[4]
+def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: Strides, do: torch.Tensor,
+              sdo: Strides, dqkv: torch.Tensor, sd_t: int, sdq: Strides, heads: int, head_dim: int,
+              table, rel_index, fill, geo: _Geometry, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Writes dq, dk, dv into dqkv (sd_t elements apart); returns (bias table gradient, fill gradient or None)."""
     area = geo.window[0] * geo.window[1]
-    cfg, keywords, total = _launch_plan(q5, geo, fill, backward=True)
+    cfg, keywords = _launch_plan(q, heads, head_dim, geo, fill, backward=True)
     table = table.detach().contiguous()
     # one (L, L) tile per program and head; the single-block kernel writes every tile whole
     alloc = torch.empty if cfg["NUM_M"] == 1 else torch.zeros
-    dbias = alloc(cfg["programs"], heads, area, area, dtype=torch.float32, device=q5.device)
-    dfill = torch.zeros(2, heads, head_dim, dtype=torch.float32, device=q5.device) if fill is not None else None
-    kernel = _launch(window_attn_bwd_kernel, (cfg["programs"], heads),
-        q5, k5, v5, *_strides(q5), do5, *_strides(do5), dq5, dk5, dv5, *_strides(dq5),
-        table, fill if fill is not None else table, dbias, dfill if dfill is not None else dbias,
-        total, area, *geo.ints(), head_dim, heads, scale, **keywords)
+    dbias = alloc(cfg["programs"], heads, area, area, dtype=torch.float32, device=q.device)
+    dfill = torch.zeros(2, heads, head_dim, dtype=torch.float32, device=q.device) if fill is not None else None
+    kernel = _launch(window_attn_bwd_kernel, (cfg["programs"], heads), q, k, v, s_t, *sq, do, *sdo, dqkv, sd_t, *sdq,
+                     table, fill if fill is not None else table, dbias, dfill if dfill is not None else dbias,
+                     geo.total_windows, area, *geo.ints(), head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
-    dtable = torch.zeros(table.shape, dtype=torch.float32, device=q5.device)
+    dtable = torch.zeros(table.shape, dtype=torch.float32, device=q.device)
     dtable.index_add_(0, rel_index.reshape(-1), dbias.sum(0).reshape(heads, area * area).t())
     return dtable.to(table.dtype), (dfill.to(fill.dtype) if dfill is not None else None)
 
@@ -218,17 +234,8 @@ def _backward(q5, k5, v5, do5, dq5, dk5, dv5, table, rel_index, fill, geo: _Geom
 # ---------------------------------------------------------------------------------------------
 # window layout op: q, k, v (B * num_windows, heads, L, head_dim)
 
-def _window_geometry(window: list[int], shift: list[int], grid: list[int]) -> _Geometry:
-    return _Geometry(tuple(window), tuple(window), (1, 1), (0, 0), tuple(grid), tuple(shift))
-
-
-def _as_image(t: torch.Tensor, window: list[int]) -> torch.Tensor:
-    """(BW, heads, L, hd) -> a (BW, Wh, Ww, heads, hd) view (no copy unless head_dim is strided)."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    bw, heads, _, hd = t.shape
-    s = t.stride()
-    return t.as_strided((bw, window[0], window[1], heads, hd), (s[0], window[1] * s[2], s[2], s[1], 1))
+def _window_geometry(windows: int, window: list[int], shift: list[int], grid: list[int]) -> _Geometry:
+    return _Geometry(windows, tuple(window), tuple(window), (1, 1), (0, 0), tuple(grid), tuple(shift))
 
 
 @_kernel_op("swin::flash_window_attn")
@@ -236,20 +243,24 @@ def _window_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_table: to
                window: list[int], shift: list[int], grid: list[int], scale: float) -> torch.Tensor:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _forward(*(_as_image(t, window) for t in (q, k, v, out)), bias_table, None,
-             _window_geometry(window, shift, grid), scale)
+    bw, heads, _, head_dim = q.shape
+    _forward(q, k, v, 0, _window_strides(q, window), out, _window_strides(out, window), heads, head_dim,
+             bias_table, None, _window_geometry(bw, window, shift, grid), scale)
     return out
 
 
 @_kernel_op("swin::flash_window_attn_bwd")
 def _window_op_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    bias_table: torch.Tensor, rel_index: torch.Tensor, window: list[int], shift: list[int],
-                   grid: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   grid: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk, dv stacked as one (3, *q.shape) tensor, bias table gradient)."""
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
-    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    dtable, _ = _backward(*(_as_image(t, window) for t in (q, k, v, grad_out, dq, dk, dv)), bias_table,
-                          rel_index, None, _window_geometry(window, shift, grid), scale)
-    return dq, dk, dv, dtable
+    dqkv = q.new_empty((3, *q.shape))
+    bw, heads, _, head_dim = q.shape
+    dtable, _ = _backward(q, k, v, 0, _window_strides(q, window), grad_out, _window_strides(grad_out, window),
+                          dqkv, dqkv.stride(0), _window_strides(dqkv, window), heads, head_dim, bias_table,
+                          rel_index, None, _window_geometry(bw, window, shift, grid), scale)
+    return dqkv, dtable
 
 
 def _window_setup(ctx, inputs, output):
@@ -262,7 +273,8 @@ def _window_grad(ctx, grad_out):
     q, k, v, bias_table = ctx.saved_tensors
     window, shift, grid, scale = ctx.geometry
     rel_index = relative_position_index(tuple(window), device=q.device)
-    dq, dk, dv, dtable = _window_op_bwd(grad_out, q, k, v, bias_table, rel_index, window, shift, grid, scale)
+    dqkv, dtable = _window_op_bwd(grad_out, q, k, v, bias_table, rel_index, window, shift, grid, scale)
+    dq, dk, dv = dqkv.unbind(0)
     return dq, dk, dv, dtable, None, None, None, None
 
 
@@ -296,14 +308,10 @@ def flash_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bi
 # ---------------------------------------------------------------------------------------------
 # image layout op: qkv (B, H, W, 3, heads, head_dim) -> (B, H, W, heads, head_dim)
 
-def _image_geometry(feat: tuple[int, int], window: list[int], shift: list[int]) -> _Geometry:
-    spec = WindowSpec(tuple(feat), tuple(window), tuple(shift))
-    return _Geometry(spec.window_size, spec.feat_size, spec.grid_size, spec.shift_size,
+def _image_geometry(qkv: torch.Tensor, window: list[int], shift: list[int]) -> _Geometry:
+    spec = WindowSpec(tuple(qkv.shape[1:3]), tuple(window), tuple(shift))
+    return _Geometry(qkv.shape[0], spec.window_size, spec.feat_size, spec.grid_size, spec.shift_size,
                      spec.grid_size, spec.shift_size)
-
-
-def _qkv_views(qkv: torch.Tensor) -> list[torch.Tensor]:
-    return list(qkv.unbind(3))
 
 
 @_kernel_op("swin::flash_window_attn_image")
@@ -311,11 +319,12 @@ def _image_op(qkv: torch.Tensor, bias_table: torch.Tensor, rel_index: torch.Tens
               window: list[int], shift: list[int], scale: float) -> torch.Tensor:
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    q5, k5, v5 = _qkv_views(qkv)
     fill = kv_fill.contiguous() if kv_fill is not None else None
     b, h, w, _, heads, hd = qkv.shape
     out = qkv.new_empty((b, h, w, heads, hd))
-    _forward(q5, k5, v5, out, bias_table, fill, _image_geometry(qkv.shape[1:3], window, shift), scale)
+    # q, k, v are read from the one qkv tensor, qkv.stride(3) elements apart
+    _forward(qkv, qkv, qkv, qkv.stride(3), _image_strides(qkv), out, _image_strides(out), heads, hd,
+             bias_table, fill, _image_geometry(qkv, window, shift), scale)
     return out
 
 
@@ -329,8 +338,10 @@ def _image_op_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, bias_table: torch.T
         grad_out = grad_out.contiguous()
     dqkv = qkv.new_empty(qkv.shape)
     fill = kv_fill.contiguous() if kv_fill is not None else None
-    dtable, dfill = _backward(*_qkv_views(qkv), grad_out, *_qkv_views(dqkv), bias_table, rel_index, fill,
-                              _image_geometry(qkv.shape[1:3], window, shift), scale)
+    heads, hd = qkv.shape[-2:]
+    dtable, dfill = _backward(qkv, qkv, qkv, qkv.stride(3), _image_strides(qkv), grad_out, _image_strides(grad_out),
+                              dqkv, dqkv.stride(3), _image_strides(dqkv), heads, hd, bias_table, rel_index, fill,
+                              _image_geometry(qkv, window, shift), scale)
     if dfill is None:  # ops return tensors only; an empty one stands for "no fill"
         dfill = qkv.new_empty(0)
     return dqkv, dtable, dfill

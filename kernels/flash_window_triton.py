@@ -68,16 +68,15 @@ def _offsets(b, sy, sx, s_b, s_y, s_x, h, s_h, offs_d):
 
 
 @triton.jit
-def _window_tokens(g, offs, L, H, W, WH: tl.constexpr, WW: tl.constexpr, AGH, AGW, ASH, ASW,
-                   MGH, MGW, MSH, MSW, q_ptr, k_ptr, v_ptr, s_b, s_y, s_x, h, s_h,
-                   do_ptr, sdo_b, sdo_y, sdo_x, sdo_h, offs_d, HD, fill_ptr, NH, valid,
-                   HAS_FILL: tl.constexpr, LOAD_Q: tl.constexpr, LOAD_DO: tl.constexpr):
-    """Geometry and K, V (and Q, dO if asked) tiles of window g; `valid` false (a prefetch past the
-    last window) loads nothing."""
-    b, sy, sx, inwin, real, reg = _token_geometry(g, offs, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
-                                                  MGH, MGW, MSH, MSW)
-    inwin = inwin & valid
-    real = real & valid
+def _window_tiles(b, sy, sx, inwin, real, q_ptr, k_ptr, v_ptr, s_b, s_y, s_x, h, s_h,
+                  do_ptr, sdo_b, sdo_y, sdo_x, sdo_h, offs_d, HD, fill_ptr, NH,
+                  HAS_FILL: tl.constexpr, LOAD_Q: tl.constexpr, LOAD_DO: tl.constexpr):
+    """K, V (and Q, dO if asked) tiles of the tokens (b, sy, sx); nothing is loaded for tokens that are
+    not `inwin` (a prefetch past the last window passes all false).
+
+    Returns tiles only, never geometry: torch.compile's kernel analysis counts every pointer passed to
+    a helper as reaching each of the helper's results, so a store address computed from a result of a
+    helper that also took q/k/v would mark q/k/v as written (and inductor would copy them)."""
     offs_qkv = _offsets(b, sy, sx, s_b, s_y, s_x, h, s_h, offs_d)
     io_mask = _io_mask(real, offs_d, HD)
     k = _load_tokens(k_ptr, offs_qkv, io_mask, real, inwin, h, offs_d, HD, fill_ptr, HAS_FILL)
@@ -88,7 +87,7 @@ def _window_tokens(g, offs, L, H, W, WH: tl.constexpr, WW: tl.constexpr, AGH, AG
         q = tl.load(q_ptr + offs_qkv, mask=io_mask, other=0.0)
     if LOAD_DO:
         do = tl.load(do_ptr + _offsets(b, sy, sx, sdo_b, sdo_y, sdo_x, h, sdo_h, offs_d), mask=io_mask, other=0.0)
-    return b, sy, sx, inwin, real, reg, k, v, q, do
+    return k, v, q, do
 
 
 @triton.jit
@@ -126,7 +125,7 @@ def _bias_tile(table_ptr, h, NH, offs_m, offs_n, L, WH: tl.constexpr, WW: tl.con
 
 @triton.jit
 def window_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h,
+    q_ptr, k_ptr, v_ptr, s_t, sq_b, sq_y, sq_x, sq_h,
     o_ptr, so_b, so_y, so_x, so_h,
     table_ptr, fill_ptr,
     G, L, H, W, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW, HD, NH, scale,
@@ -139,31 +138,34 @@ def window_attn_fwd_kernel(
     h = tl.program_id(1)
     nprog = tl.num_programs(0)
     scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
+    k_ptr += s_t  # q, k, v of one tensor: s_t apart (separate tensors: s_t = 0)
+    v_ptr += 2 * s_t
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     ONE_BLOCK: tl.constexpr = NUM_M == 1
     if ONE_BLOCK:  # one query block: bias tile loaded once for all of the program's windows
         bias0 = _bias_tile(table_ptr, h, NH, offs_n, offs_n, L, WH, WW)
     if PREFETCH:  # the next window's tiles are loaded while this one is computed (latency hiding)
-        _b, _y, _x, _i, _r, _g, k_next, v_next, q_next, _do = _window_tokens(
-            pid, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW,
-            q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, h, sq_h, q_ptr, 0, 0, 0, 0,
-            offs_d, HD, fill_ptr, NH, pid < G, HAS_FILL, ONE_BLOCK, False)
+        b, sy_n, sx_n, inwin_n, real_n, _reg = _token_geometry(pid, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
+                                                               MGH, MGW, MSH, MSW)
+        k_next, v_next, q_next, _do = _window_tiles(
+            b, sy_n, sx_n, inwin_n & (pid < G), real_n & (pid < G), q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, h, sq_h,
+            q_ptr, 0, 0, 0, 0, offs_d, HD, fill_ptr, NH, HAS_FILL, ONE_BLOCK, False)
     for g in tl.range(pid, G, nprog, num_stages=STAGES):
+        b, sy_n, sx_n, inwin_n, real_n, reg_n = _token_geometry(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
+                                                                MGH, MGW, MSH, MSW)
         if PREFETCH:
             k, v, q_n = k_next, v_next, q_next
-            b, sy_n, sx_n, inwin_n, real_n, reg_n = _token_geometry(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
-                                                                    MGH, MGW, MSH, MSW)
             g_next = g + nprog
-            _b, _y, _x, _i, _r, _g, k_next, v_next, q_next, _do = _window_tokens(
-                g_next, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW,
-                q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, h, sq_h, q_ptr, 0, 0, 0, 0,
-                offs_d, HD, fill_ptr, NH, g_next < G, HAS_FILL, ONE_BLOCK, False)
+            b_x, sy_x, sx_x, inwin_x, real_x, _reg = _token_geometry(g_next, offs_n, L, H, W, WH, WW, AGH, AGW,
+                                                                     ASH, ASW, MGH, MGW, MSH, MSW)
+            k_next, v_next, q_next, _do = _window_tiles(
+                b_x, sy_x, sx_x, inwin_x & (g_next < G), real_x & (g_next < G), q_ptr, k_ptr, v_ptr,
+                sq_b, sq_y, sq_x, h, sq_h, q_ptr, 0, 0, 0, 0, offs_d, HD, fill_ptr, NH, HAS_FILL, ONE_BLOCK, False)
         else:
-            b, sy_n, sx_n, inwin_n, real_n, reg_n, k, v, q_n, _do = _window_tokens(
-                g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW,
-                q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, h, sq_h, q_ptr, 0, 0, 0, 0,
-                offs_d, HD, fill_ptr, NH, g < G, HAS_FILL, ONE_BLOCK, False)
+            k, v, q_n, _do = _window_tiles(b, sy_n, sx_n, inwin_n, real_n, q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x,
+                                           h, sq_h, q_ptr, 0, 0, 0, 0, offs_d, HD, fill_ptr, NH, HAS_FILL, ONE_BLOCK,
+                                           False)
         for mb in range(NUM_M):
             if ONE_BLOCK:
                 sy, sx, real_m, reg_m, q, bias = sy_n, sx_n, real_n, reg_n, q_n, bias0
@@ -185,9 +187,9 @@ def window_attn_fwd_kernel(
 
 @triton.jit
 def window_attn_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h,
+    q_ptr, k_ptr, v_ptr, s_t, sq_b, sq_y, sq_x, sq_h,
     do_ptr, sdo_b, sdo_y, sdo_x, sdo_h,
-    dq_ptr, dk_ptr, dv_ptr, sdq_b, sdq_y, sdq_x, sdq_h,
+    dqkv_ptr, sd_t, sdq_b, sdq_y, sdq_x, sdq_h,
     table_ptr, fill_ptr, dbias_ptr, dfill_ptr,
     G, L, H, W, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
@@ -198,6 +200,13 @@ def window_attn_bwd_kernel(
     h = tl.program_id(1)
     nprog = tl.num_programs(0)
     scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
+    k_ptr += s_t  # q, k, v of one tensor: s_t apart (separate tensors: s_t = 0)
+    v_ptr += 2 * s_t
+    # dq, dk, dv are one tensor, sd_t apart: a single written argument, so that torch.compile hands
+    # the kernel its buffer as is (written views of one buffer make inductor copy and scatter them)
+    dq_ptr = dqkv_ptr
+    dk_ptr = dqkv_ptr + sd_t
+    dv_ptr = dqkv_ptr + 2 * sd_t
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HD
@@ -210,10 +219,11 @@ def window_attn_bwd_kernel(
     dfill_k = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dfill_v = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for g in tl.range(pid, G, nprog, num_stages=STAGES):
-        b, sy_n, sx_n, inwin_n, real_n, reg_n, k, v, q_n, do_n = _window_tokens(
-            g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW, MGH, MGW, MSH, MSW,
-            q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, h, sq_h, do_ptr, sdo_b, sdo_y, sdo_x, sdo_h,
-            offs_d, HD, fill_ptr, NH, g < G, HAS_FILL, ONE_BLOCK, ONE_BLOCK)
+        b, sy_n, sx_n, inwin_n, real_n, reg_n = _token_geometry(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW,
+                                                                MGH, MGW, MSH, MSW)
+        k, v, q_n, do_n = _window_tiles(b, sy_n, sx_n, inwin_n, real_n, q_ptr, k_ptr, v_ptr, sq_b, sq_y, sq_x, h, sq_h,
+                                        do_ptr, sdo_b, sdo_y, sdo_x, sdo_h, offs_d, HD, fill_ptr, NH,
+                                        HAS_FILL, ONE_BLOCK, ONE_BLOCK)
         dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         for mb in range(NUM_M):

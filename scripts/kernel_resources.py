@@ -77,7 +77,7 @@ def report(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool, ca
         # as on the device for Swin shapes: pointers and strides are multiples of 16, head_dim where it is
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                  if name in signature and signature[name] != "constexpr"
-                 and (name.endswith("_ptr") or re.fullmatch(r"s[a-z]+_[bxyh]", name)
+                 and (name.endswith("_ptr") or re.fullmatch(r"s[a-z]*_[bxyht]", name)
                       or (name == "HD" and head_dim % 16 == 0))}
         source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),

@@ -3,8 +3,16 @@
 Without CUDA the kernels run through the Triton interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1): fp32 and fp16, small shapes. GPU tests (bf16 included) skip without CUDA.
 """
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
+from _inductor_code import data_moving_kernels, moves_only_data
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import swin
@@ -186,6 +194,144 @@ def test_flash_block_moves_no_data_around_attention(attention):
         assert not moves, moves
     else:
         assert {"roll", "constant_pad_nd", "permute"} <= moves
+
+
+# What torch.compile decides about the kernels' arguments. wrap_triton analyses a kernel's Triton IR to find the
+# tensors it writes; a tensor it believes written is copied before the launch (and a written view of a larger
+# buffer is scattered back after it). Run without the interpreter, on a Hopper target that needs no GPU.
+_ACCESS_PROBE = textwrap.dedent("""
+    import json, sys, torch, triton
+    from triton.backends.compiler import GPUTarget
+    import torch._higher_order_ops.triton_kernel_wrap as tkw
+    import kernels.flash_window as fw
+
+    class Hopper:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    triton.runtime.driver.set_active(Hopper())
+    launches = []
+    def record(kernel, grid, *args, **keywords):
+        launches.append((kernel, dict(zip(kernel.arg_names, args), **keywords)))
+    fw._launch = record
+    def written(kernel, kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k != "num_warps"}
+        if hasattr(tkw, "identify_accessed_tensors"):  # torch >= 2.12
+            return sorted(d.name for d in tkw.identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes)
+        return sorted(tkw.identify_mutated_tensors(kernel, kwargs, {}))
+    qkv = torch.randn(2, 9, 10, 3, 2, 16)
+    table, fill = torch.randn(169, 2), torch.randn(2, 2, 16)
+    index = fw.relative_position_index((7, 7))
+    fw._image_op(qkv, table, index, fill, [7, 7], [3, 3], 0.25)
+    fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, table, index, fill, [7, 7], [3, 3], 0.25)
+    q = torch.randn(8, 2, 49, 16)
+    fw._window_op(q, q, q, table, [7, 7], [3, 3], [2, 2], 0.25)
+    fw._window_op_bwd(q, q, q, q, table, index, [7, 7], [3, 3], [2, 2], 0.25)
+    json.dump([written(kernel, kwargs) for kernel, kwargs in launches], sys.stdout)
+""")
+
+
+def test_compile_sees_kernels_write_only_their_outputs():
+    """Issue 12: torch.compile must see that the kernels write o (forward) and dqkv plus the bias / fill
+    gradient buffers (backward) and nothing else; reading q/k/v as written made inductor copy them around
+    every launch (9.3 ms of a 31 ms Swin-T training step on the H100)."""
+    import torch._higher_order_ops.triton_kernel_wrap as tkw
+    if not hasattr(tkw, "identify_accessed_tensors") and not hasattr(tkw, "identify_mutated_tensors"):
+        pytest.skip("this torch has no wrap_triton access analysis to ask")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _ACCESS_PROBE], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fwd_image, bwd_image, fwd_window, bwd_window = json.loads(done.stdout.strip().splitlines()[-1])
+    assert fwd_image == fwd_window == ["o_ptr"]
+    assert bwd_image == ["dbias_ptr", "dfill_ptr", "dqkv_ptr"]
+    assert bwd_window == ["dbias_ptr", "dqkv_ptr"]
+
+
+_COPY_KERNEL = """
+@triton.jit
+def triton_poi_fused_unbind_3(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    xnumel = 602112
+    xoffset = tl.program_id(0) * XBLOCK
+    xindex = xoffset + tl.arange(0, XBLOCK)[:]
+    xmask = xindex < xnumel
+    x0 = xindex % 96
+    x1 = xindex // 96
+    tmp0 = tl.load(in_ptr0 + (96 + x0 + 288*x1), xmask).to(tl.float32)
+    tmp1 = x0 < 48
+    tmp2 = tl.where(tmp1, tmp0, 0.0)
+    tl.store(out_ptr0 + (xindex), tmp2.to(tl.bfloat16), xmask)
+"""
+_IN_PLACE_KERNEL = """
+@triton.jit
+def triton_poi_fused_view_7(in_out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    xnumel = 602112
+    xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:]
+    x0 = xindex
+    tmp0 = tl.load(in_out_ptr0 + (x0), None)
+    tl.store(in_out_ptr0 + (x0), tmp0, None)
+"""
+_WORK_KERNEL = """
+@triton.jit
+def triton_poi_fused_add_gelu_5(in_ptr0, in_ptr1, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    xnumel = 602112
+    xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:]
+    x0 = xindex
+    tmp0 = tl.load(in_ptr0 + (x0), None).to(tl.float32)
+    tmp1 = tl.load(in_ptr1 + (x0 % 96), None)
+    tmp2 = tl.where(x0 < 5, tmp0, tmp1)
+    tmp3 = tmp2 * 0.5
+    tl.store(out_ptr0 + (x0), tmp3, None)
+"""
+
+
+def _generated_module(name: str, body: str) -> str:
+    quotes = "'" * 3  # how inductor embeds a kernel's source in its generated module
+    return f"{name} = async_compile.triton('{name}', {quotes}{body}{quotes}, device_str='cuda')"
+
+
+def test_data_moving_kernel_detector():
+    """The reader of inductor's code used by the GPU test below: copies, masked layout changes and in-place
+    load/store count as data movement; a kernel computing on loaded data does not, nor a smaller one."""
+    sources = [_generated_module("triton_poi_fused_unbind_3", _COPY_KERNEL),
+               _generated_module("triton_poi_fused_view_7", _IN_PLACE_KERNEL)
+               + "\n" + _generated_module("triton_poi_fused_add_gelu_5", _WORK_KERNEL)]
+    assert moves_only_data(_COPY_KERNEL, "triton_poi_fused_unbind_3")
+    assert not moves_only_data(_WORK_KERNEL, "triton_poi_fused_add_gelu_5")
+    assert data_moving_kernels(sources, 602112) == {"triton_poi_fused_unbind_3": 602112,
+                                                    "triton_poi_fused_view_7": 602112}
+    assert data_moving_kernels(sources, 602113) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["flash_window", "standard"])
+def test_gpu_compiled_block_moves_no_qkv_sized_data(attention):
+    """Issue 12: a compiled (fullgraph), shifted, padded bf16 Swin block, forward and backward: inductor's code
+    on the flash path has no kernel that only moves data of the q/k/v (= the block input's) size or more. The
+    standard path, read the same way, has such kernels (its roll / pad / partition), so the reader sees them."""
+    from torch._inductor.utils import run_and_get_code
+    model = swin.create_model("swin_tiny_patch4_window7_224", attention=attention, img_size=(120, 136),
+                              drop_path_rate=0.0)
+    block = model.layers[0].blocks[1].cuda().to(torch.bfloat16)
+    spec = block.spec_for(block.feat_size)
+    assert spec.shifted and spec.padded
+    x = torch.randn(8, *block.feat_size, block.norm1.normalized_shape[0], device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    probe = torch.randn_like(x)
+    compiled = torch.compile(block, fullgraph=True)
+
+    def step():
+        compiled(x).backward(probe)
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, sources = run_and_get_code(step)
+    moved = data_moving_kernels(sources, x.numel())
+    if attention == "flash_window":
+        code = "\n".join(sources)
+        assert "window_attn_fwd_kernel" in code and "window_attn_bwd_kernel" in code
+        assert not moved, f"kernels that only move q/k/v-sized data around the flash kernels: {moved}"
+    else:
+        assert moved
 
 
 def test_opcheck():
