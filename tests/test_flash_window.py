@@ -386,11 +386,16 @@ def test_auto_falls_back_to_sdpa_with_one_warning(monkeypatch):
     assert rel_err(out, reference(x)) < 1e-6
 
 
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("window,heads,head_dim", [((7, 7), 3, 32), ((8, 8), 4, 48), ((12, 12), 4, 32),
-                                                   ((16, 16), 2, 64), ((6, 10), 2, 128), ((7, 7), 6, 16),
-                                                   ((10, 10), 2, 128)])  # 128-token tile, widest head
+@pytest.mark.parametrize("window,heads,head_dim,dtype", [
+    ((7, 7), 3, 32, BF16), ((7, 7), 3, 32, FP16), ((7, 7), 3, 32, FP32), ((7, 7), 6, 16, FP16),
+    ((8, 8), 4, 48, BF16), ((12, 12), 4, 32, BF16), ((12, 12), 4, 32, FP32), ((16, 16), 2, 64, BF16),
+    ((6, 10), 2, 128, BF16), ((6, 10), 2, 128, FP32),
+    ((10, 10), 2, 128, BF16), ((10, 10), 2, 128, FP32),  # 128-token tile, widest head
+])  # every tile shape and dtype; each case compiles four kernels, so not the full product (GPU file < 5 min)
 def test_gpu_window_op(window, heads, head_dim, dtype):
     check_window_op(4, (3, 3), window, (window[0] // 2, window[1] // 2), heads, head_dim, dtype, "cuda")
     check_window_op(2, (2, 3), window, (0, 0), heads, head_dim, dtype, "cuda")
