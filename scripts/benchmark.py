@@ -89,7 +89,7 @@ ARCH_KEYS = ("img_size", "patch_size", "window_size", "embed_dim", "depths", "nu
 @dataclass(frozen=True)
 class RowSpec:
     impl: str          # ours | timm
-    attention: str     # ours: standard | sdpa | flash_window; timm: math | sdpa
+    attention: str     # ours: standard | sdpa | flash_window; timm: math | sdpa | sdpa_no_cudnn
     compile: bool
     batch_size: int
     precision: str     # bf16 | fp16 | fp32
@@ -115,7 +115,7 @@ def expand_grid(grid: DictConfig) -> list[RowSpec]:
         impl, attention = str(entry.impl), str(entry.attention)
         if impl not in ("ours", "timm"):
             raise ValueError(f"grid row impl must be 'ours' or 'timm', got {impl!r}")
-        valid = ("standard", "sdpa", "flash_window") if impl == "ours" else ("math", "sdpa")
+        valid = ("standard", "sdpa", "flash_window") if impl == "ours" else ("math", "sdpa", "sdpa_no_cudnn")
         if attention not in valid:
             raise ValueError(f"grid row attention for {impl} must be one of {valid}, got {attention!r}")
         for compiled in _as_list(entry.get("compile", [False])):
@@ -175,7 +175,24 @@ def create_timm(name: str, arch: dict[str, Any], fused: bool) -> nn.Module:
 def create_model(spec: RowSpec, name: str, arch: dict[str, Any]) -> nn.Module:
     if spec.impl == "ours":
         return create_ours(name, arch, spec.attention)
-    return create_timm(name, arch, fused=spec.attention == "sdpa")
+    return create_timm(name, arch, fused=spec.attention != "math")
+
+
+@contextlib.contextmanager
+def sdpa_backends(spec: RowSpec) -> Iterator[None]:
+    """`sdpa_no_cudnn` rows: PyTorch's cuDNN attention off, so SDPA takes its memory-efficient kernel. On the
+    H100 (torch 2.11) SDPA picks cuDNN for timm's masked Swin attention, slower there than the memory-efficient
+    kernel in training; the fastest timm setting is the fair peer. The flag is read when SDPA is traced or
+    called, so it stays off for the whole row."""
+    if spec.attention != "sdpa_no_cudnn":
+        yield
+        return
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,7 +560,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             continue
         t0 = time.perf_counter()
         try:
-            row = run_row(spec, name, arch, cfg, device, (x, y), out_dir)
+            with sdpa_backends(spec):
+                row = run_row(spec, name, arch, cfg, device, (x, y), out_dir)
         except Exception as e:  # OOM, unsupported backend on this device, ...: keep the other rows
             message = str(e).strip().splitlines()[0] if str(e).strip() else ""
             row = {**asdict(spec), "error": f"{type(e).__name__}: {message}"[:200]}
