@@ -66,7 +66,7 @@ import platform  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
+from collections.abc import Callable, Iterable, Iterator  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -241,7 +241,8 @@ def measure(step: Callable[[], object], batch: int, device: torch.device, warmup
                 peak_gib=_peak_gib(device))
 
 
-ATTN_KERNEL_RE = re.compile(r"window_attn_|fmha|flash_fwd|flash_bwd|sdpa|attention|softmax", re.IGNORECASE)
+ATTN_KERNEL_RE = re.compile(r"window_attn_|bias_grad|fmha|flash_fwd|flash_bwd|pytorch_flash|sdpa|attention|softmax",
+                            re.IGNORECASE)
 NOT_ATTN_KERNEL_RE = re.compile(r"log_?softmax", re.IGNORECASE)
 ATTN_OP_RE = re.compile(r"^swin::flash_window|^aten::(bmm|_softmax|_softmax_backward_data)$"
                         r"|^aten::\w*(scaled_dot_product|_attention)\w*$")
@@ -294,9 +295,128 @@ def attention_time_us(prof: torch.profiler.profile, device: torch.device) -> dic
     return dict(attention_us=attn, total_us=total, linked_us=linked)
 
 
+# GPU time breakdown: kernel categories (classify_kernel), checked in this order
+CATEGORIES = ("attention", "GEMM", "norm/elementwise", "copies/layout", "optimizer", "other")
+OPTIMIZER_KERNEL_RE = re.compile(r"multi_tensor_apply|fused_?adam|adamw|_foreach_|unscale|amp_update_scale|lerp",
+                                 re.IGNORECASE)
+GEMM_KERNEL_RE = re.compile(r"gemm|nvjet|cublas|cutlass|splitkreduce|^triton_tem_", re.IGNORECASE)
+# inductor names a fused kernel after the aten ops it contains: triton_<poi|per|red|...>_fused_<ops>_<n>
+INDUCTOR_KERNEL_RE = re.compile(r"^triton_[a-z]+_fused(?P<ops>\w*?)(?:_\d+)?$")
+# words of the aten ops that only move data (_unsafe_view, _to_copy, constant_pad_nd, split_with_sizes, ...)
+DATA_MOVEMENT_TOKENS = frozenset(
+    "view unsafe clone copy to permute transpose t unbind cat stack split with sizes squeeze unsqueeze expand "
+    "reshape contiguous slice select scatter backward roll index gather constant pad nd flip narrow as strided "
+    "alias repeat zeros fill full empty new convert element type detach lift fresh".split())
+COPY_KERNEL_RE = re.compile(r"copy|memcpy|memset|FillFunctor|roll_cuda|index_elementwise|transpose|permute"
+                            r"|nchwToNhwc|nhwcToNchw", re.IGNORECASE)
+ELEMENTWISE_KERNEL_RE = re.compile(r"elementwise|reduce_kernel|norm|gelu|softmax|nll_loss|GammaBeta|RowwiseMoments"
+                                   r"|ComputeInternalGradients|dropout", re.IGNORECASE)
+
+
+def _inductor_op_tokens(name: str) -> list[str] | None:
+    """Words of the op names in an inductor kernel name (None: not an inductor fused kernel)."""
+    match = INDUCTOR_KERNEL_RE.match(name)
+    if match is None:
+        return None
+    return [t for t in match["ops"].split("_") if t and not t.isdigit()]
+
+
+def classify_kernel(name: str) -> str:
+    """Category of a GPU kernel (or memcpy / memset) by its name; one of CATEGORIES.
+
+    Checked in order: optimizer (fused AdamW, foreach, AMP unscale), attention (as for the attention
+    fraction: ours, SDPA, softmax but not log-softmax), GEMM (cuBLAS / cutlass / inductor templates),
+    inductor fused kernels (copies/layout if every op word in the name only moves data: view, clone, cat,
+    permute, _to_copy, ...; also a name with no op words, which inductor gives copies it adds itself;
+    else norm/elementwise), eager copies (copy kernels, memcpy, memset, fills), eager elementwise and
+    reductions, other.
+    """
+    if OPTIMIZER_KERNEL_RE.search(name):
+        return "optimizer"
+    if _is_attention_kernel(name):
+        return "attention"
+    if GEMM_KERNEL_RE.search(name):
+        return "GEMM"
+    tokens = _inductor_op_tokens(name)
+    if tokens is not None:
+        return "copies/layout" if set(tokens) <= DATA_MOVEMENT_TOKENS else "norm/elementwise"
+    if COPY_KERNEL_RE.search(name):
+        return "copies/layout"
+    if ELEMENTWISE_KERNEL_RE.search(name):
+        return "norm/elementwise"
+    return "other"
+
+
+def device_kernels(events: Iterable[Any]) -> list[Any]:
+    """The GPU-side activities of profiler events (kernels, memcpy, memset), without user annotations."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+
+
+def _duration_us(event: Any) -> float:
+    """A device event's GPU time (torch's self_device_time_total of a kernel event is the same)."""
+    return event.time_range.end - event.time_range.start
+
+
+def busy_union_us(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals: time with at least one kernel running."""
+    total = 0.0
+    end = float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def category_times_us(kernels: Iterable[Any]) -> dict[str, float]:
+    """GPU self time per category (every category, zeros included)."""
+    times = dict.fromkeys(CATEGORIES, 0.0)
+    for k in kernels:
+        times[classify_kernel(k.name)] += _duration_us(k)
+    return times
+
+
+def kernel_breakdown(kernels: list[Any], steps: int) -> dict[str, Any]:
+    """Per step: kernel time by category (ms) and the GPU busy time (union of kernel intervals, ms)."""
+    per_step = {c: t / steps / 1e3 for c, t in category_times_us(kernels).items()}
+    union = busy_union_us((k.time_range.start, k.time_range.end) for k in kernels)
+    return dict(breakdown_ms=per_step, busy_union_ms_per_step=union / steps / 1e3)
+
+
+def top_kernels_table(kernels: list[Any], steps: int, limit: int) -> str:
+    """Markdown table of the `limit` kernels (grouped by name) with the most GPU self time, with categories."""
+    grouped: dict[str, list[float]] = {}
+    for k in kernels:
+        entry = grouped.setdefault(k.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += _duration_us(k)
+    total = sum(us for _, us in grouped.values()) or 1.0
+    lines = ["| kernel | category | calls/step | ms/step | % of kernel time |", "|---|---|---|---|---|"]
+    for name, (calls, us) in sorted(grouped.items(), key=lambda kv: -kv[1][1])[:limit]:
+        short = name if len(name) <= 100 else name[:99] + "…"
+        lines.append(f"| `{short.replace('|', '/')}` | {classify_kernel(name)} | {calls / steps:g} | "
+                     f"{us / steps / 1e3:.3f} | {100 * us / total:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_top_kernels(report: Path, prof: torch.profiler.profile, kernels: list[Any], device: torch.device,
+                      steps: int, limit: int, title: str) -> None:
+    """Append the top kernels with their categories (CUDA) and torch's op table to the profile report."""
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with report.open("a") as f:
+        if device.type == "cuda":
+            f.write(f"\n## {title}: top {limit} GPU kernels by self time, per step ({steps} steps)\n\n")
+            f.write(top_kernels_table(kernels, steps, limit))
+        f.write(f"\n## {title}: top {limit} by self time over {steps} steps\n\n")
+        f.write(prof.key_averages().table(sort_by=sort_by, row_limit=limit, max_name_column_width=70))
+
+
 def profile_attention(step: Callable[[], object], steps: int, device: torch.device,
                       trace: Path | None, top_kernels: int = 0, report: Path | None = None,
-                      title: str = "") -> dict[str, float | None]:
+                      title: str = "") -> dict[str, Any]:
     """Profile `steps` steps: attention time per step and its fraction of the (profiled) step time."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -311,18 +431,19 @@ def profile_attention(step: Callable[[], object], steps: int, device: torch.devi
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
+    kernels = device_kernels(prof.events()) if device.type == "cuda" else []
     if top_kernels and report is not None:
-        sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        with report.open("a") as f:
-            f.write(f"\n## {title}: top {top_kernels} by self time over {steps} steps\n\n")
-            f.write(prof.key_averages().table(sort_by=sort_by, row_limit=top_kernels, max_name_column_width=70))
+        write_top_kernels(report, prof, kernels, device, steps, top_kernels, title)
     t = attention_time_us(prof, device)
     attn_ms = t["attention_us"] / steps / 1e3
     busy_ms = t["total_us"] / steps / 1e3
+    # on the CPU there are no kernels: no breakdown (None), see the module docstring
+    breakdown = kernel_breakdown(kernels, steps) if device.type == "cuda" else dict(
+        breakdown_ms=None, busy_union_ms_per_step=None)
     return dict(attention_ms_per_step=attn_ms, busy_ms_per_step=busy_ms, profiled_step_ms=wall_ms,
                 attention_frac_of_step=attn_ms / wall_ms,
                 attention_frac_of_busy=attn_ms / busy_ms if busy_ms else None,
-                linked_frac=t["linked_us"] / t["total_us"] if t["total_us"] else None)
+                linked_frac=t["linked_us"] / t["total_us"] if t["total_us"] else None, **breakdown)
 
 
 def saved_tensor_report(step: Callable[[], object], title: str, top: int = 25) -> str:

@@ -50,7 +50,7 @@ def test_benchmark_cpu(tmp_path):
     out = tmp_path / "bench"
     run_script([str(ROOT / "scripts/benchmark.py"), "model=swin_micro", "device=cpu", "grid=smoke",
                 "grid.batch_size=[2]", "steps.warmup=1", "steps.timed=1", "steps.repeats=1",
-                "profile.enabled=true", "profile.steps=1",
+                "profile.enabled=true", "profile.steps=1", "profile.top_kernels=3",
                 f"out_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=tmp_path)
     result = json.loads((out / "benchmark.json").read_text())
     rows = result["rows"]
@@ -63,6 +63,8 @@ def test_benchmark_cpu(tmp_path):
         assert math.isfinite(r["train_loss"])
         for mode in ("infer", "train"):
             assert 0 < r[f"{mode}_attention_ms_per_step"] <= r[f"{mode}_busy_ms_per_step"], (r["attention"], mode)
+            # no GPU kernels on the CPU: the breakdown keys are written, as None
+            assert r[f"{mode}_breakdown_ms"] is None and r[f"{mode}_busy_union_ms_per_step"] is None, r
         if r["impl"] == "timm":  # the intended timm attention path really ran
             assert r["timm_fused_attn"] == (r["attention"] == "sdpa")
             assert r["infer_speedup_vs_best_timm"] <= 1.0 + 1e-9
@@ -71,6 +73,7 @@ def test_benchmark_cpu(tmp_path):
             assert positive(r["train_speedup_vs_best_timm"])
     assert (out / "benchmark.png").stat().st_size > 1000
     assert "| ours | flash_window | no | 2 | fp32 |" in (out / "benchmark.md").read_text()
+    assert (out / "profile.md").read_text().count(" by self time over 1 steps") == 2 * len(rows)  # row x step
 
 
 @pytest.mark.parametrize("grid", sorted(p.stem for p in (ROOT / "configs/grid").glob("*.yaml")))
@@ -87,3 +90,159 @@ def test_every_grid_config_expands(grid):
     assert {s.compile_mode for s in specs} <= {None, "default", "reduce-overhead", "max-autotune",
                                                "max-autotune-no-cudagraphs"}
     assert cfg.steps.timed > 0 and cfg.steps.repeats > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU time breakdown: pure functions on kernel names and fabricated profiler events (no GPU needed)
+
+KERNEL_CATEGORIES = {
+    "attention": [
+        "window_attn_fwd_kernel", "window_attn_bwd_kernel", "_window_attn_fwd", "_window_attn_bwd_dkdv",
+        "_bias_grad_reduce",
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t, "
+        "cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)",
+        "fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<"
+        "cutlass::arch::Sm80, cutlass::bfloat16_t, true, false, true, 64, 64, 64, false>::Params)",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
+        "cutlass::bfloat16_t>, false, false>(pytorch_flash::Flash_fwd_params)",
+        "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0",
+        "cudnn_generated_oss_fmha_bprop_sm90_kernel",
+        "void (anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+        "(anonymous namespace)::SoftMaxForwardEpilogue>(float*, float const*, int)",
+        "triton_per_fused__softmax_add_view_7",
+    ],
+    "GEMM": [
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off"
+        "_kernel__5x_cublas",
+        "nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN",
+        "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>("
+        "cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8::Params)",
+        "ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x4_tn", "volta_sgemm_128x64_nn",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float>(cublasLt::cublasSplitKParams)",
+        "triton_tem_fused_mm_3", "triton_tem_fused_addmm_0", "triton_tem_fused_bmm_5",
+        "triton_tem_fused__unsafe_view_addmm_gelu_view_2",
+    ],
+    "norm/elementwise": [
+        "triton_per_fused_native_layer_norm_0", "triton_red_fused_native_layer_norm_native_layer_norm_backward_4",
+        "triton_poi_fused_gelu_3", "triton_poi_fused_add_5", "triton_poi_fused_mul_2",
+        "triton_poi_fused_add_clone_gelu_view_5",  # real work plus a view: not a copy
+        "triton_poi_fused_addmm_gelu_view_3",  # the bias/GELU epilogue of an extern matmul, not a GEMM
+        "triton_red_fused_sum_view_4",
+        "triton_per_fused__log_softmax_nll_loss_forward_0",  # the loss, not attention
+        "void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, "
+        "at::native::GeluType)::{lambda()#2}, std::array<char*, 2ul> >(int, float, std::array<char*, 2ul>)",
+        "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::"
+        "CUDAFunctor_add<float> >(at::TensorIteratorBase&, at::native::CUDAFunctor_add<float> const&)::"
+        "{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast<at::native::CUDAFunctor_add<float> >)",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float, "
+        "at::native::sum_functor<float, float, float>::operator()(at::TensorIterator&)::{lambda(float, float)#1}>, "
+        "unsigned int, float, 4, 4> >(at::native::ReduceOp<float>)",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, false>(int, float, "
+        "float const*, float const*, float const*, float*, float*, float*)",
+        "void (anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+        "(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)",
+    ],
+    "copies/layout": [
+        "triton_poi_fused_clone_0", "triton_poi_fused_view_3", "triton_poi_fused_unbind_2",
+        "triton_poi_fused__unsafe_view_clone_1", "triton_poi_fused_cat_4", "triton_poi_fused__to_copy_0",
+        "triton_poi_fused_constant_pad_nd_roll_2", "triton_poi_fused_permute_split_with_sizes_6",
+        "triton_poi_fused_12",  # no op in the name: a copy inductor added itself
+        "void at::native::vectorized_elementwise_kernel<4, at::native::direct_copy_kernel_cuda("
+        "at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda(c10::BFloat16)#1}, "
+        "std::array<char*, 2ul> >(int, at::native::direct_copy_kernel_cuda)",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>"
+        ", unsigned int, 4, 64, 64>(at::native::(anonymous namespace)::OpaqueType<2u>*)",
+        "Memcpy DtoD (Device -> Device)", "Memcpy HtoD (Pageable -> Device)", "Memset (Device)",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >"
+        "(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)",
+    ],
+    "optimizer": [
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+        "TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+        "(at::native::ADAM_MODE)1, false>, float*, double, double, double, double, double, bool, float const*>",
+        "FusedAdamWKernel", "adamw_step_kernel", "triton_poi_fused__foreach_add_0", "triton_for_fused__foreach_lerp_1",
+        "void at::native::(anonymous namespace)::_amp_foreach_non_finite_check_and_unscale_cuda_kernel",
+        "void at::native::amp_update_scale_cuda_kernel(float*, int*, float const*, double, double, int)",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::LerpFunctor<float>, std::array<char*, 3ul> >",
+    ],
+    "other": [
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "my_custom_kernel",
+        "triton_my_hand_written_kernel",
+    ],
+}
+
+
+@pytest.mark.parametrize(("category", "name"), [(c, n) for c, names in KERNEL_CATEGORIES.items() for n in names])
+def test_classify_kernel(category, name):
+    from scripts.benchmark import CATEGORIES, classify_kernel
+
+    assert category in CATEGORIES
+    assert classify_kernel(name) == category
+
+
+@pytest.mark.parametrize(("intervals", "union"), [
+    ([], 0.0),
+    ([(0, 1), (2, 4), (10, 13)], 6.0),                 # disjoint
+    ([(0, 3), (2, 5)], 5.0),                           # overlapping
+    ([(4, 7), (0, 3), (2, 5)], 7.0),                   # overlapping, unsorted
+    ([(0, 10), (2, 3), (4, 6), (9, 10)], 10.0),        # nested
+    ([(0, 1), (1, 2), (2, 3)], 3.0),                   # touching
+    ([(0, 2), (0, 2), (5, 6), (1, 8)], 8.0),           # duplicates, one spanning the gap
+])
+def test_busy_union(intervals, union):
+    from scripts.benchmark import busy_union_us
+
+    assert busy_union_us(intervals) == pytest.approx(union)
+
+
+def _events() -> list:
+    """Profiler events of 2 steps as torch builds them: CPU ops, a GPU user annotation, kernels on 2 streams."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def event(name, start, end, device_type=DeviceType.CUDA, **kw):
+        return FunctionEvent(id=0, name=name, thread=7, start_us=start, end_us=end, device_type=device_type,
+                             use_device="cuda", **kw)
+
+    return [
+        event("aten::addmm", 0, 50, DeviceType.CPU),           # host side: not GPU time
+        event("ProfilerStep#1", 0, 1000, is_user_annotation=True),
+        event("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN", 100, 400),        # GEMM 300
+        event("window_attn_fwd_kernel", 300, 500),                            # attention 200, overlaps by 100
+        event("triton_poi_fused_add_clone_gelu_view_5", 600, 650),            # elementwise 50
+        event("triton_poi_fused__unsafe_view_clone_1", 650, 700),             # copies 50
+        event("Memset (Device)", 700, 710),                                   # copies 10
+        event("multi_tensor_apply_kernel<FusedAdamMathFunctor>", 800, 900),   # optimizer 100
+        event("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN", 1100, 1300),       # GEMM 200 (step 2)
+        event("window_attn_bwd_kernel", 1150, 1250),                          # attention 100, nested in it
+    ]
+
+
+def test_kernel_breakdown():
+    from scripts.benchmark import CATEGORIES, device_kernels, kernel_breakdown
+
+    events = _events()
+    kernels = device_kernels(events)
+    assert [k.name for k in kernels] == [e.name for e in events[2:]]
+    assert all(k.self_device_time_total == k.time_range.end - k.time_range.start for k in kernels)
+    got = kernel_breakdown(kernels, steps=2)
+    assert list(got["breakdown_ms"]) == list(CATEGORIES)
+    expected_us = {"attention": 300, "GEMM": 500, "norm/elementwise": 50, "copies/layout": 60, "optimizer": 100,
+                   "other": 0}
+    assert got["breakdown_ms"] == pytest.approx({c: us / 2e3 for c, us in expected_us.items()})
+    # busy: [100, 500] + [600, 710] + [800, 900] + [1100, 1300] = 810 us over 2 steps; the plain sum is 1010 us
+    assert got["busy_union_ms_per_step"] == pytest.approx(0.405)
+    assert sum(got["breakdown_ms"].values()) == pytest.approx(1010 / 2e3)
+
+
+def test_top_kernels_table():
+    from scripts.benchmark import device_kernels, top_kernels_table
+
+    lines = top_kernels_table(device_kernels(_events()), steps=2, limit=3).splitlines()
+    assert lines[0] == "| kernel | category | calls/step | ms/step | % of kernel time |"
+    assert len(lines) == 2 + 3
+    assert lines[2] == "| `nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN` | GEMM | 1 | 0.250 | 49.5 |"
+    assert lines[3].startswith("| `window_attn_fwd_kernel` | attention | 0.5 | 0.100 |")
+    assert lines[4].startswith("| `multi_tensor_apply_kernel<FusedAdamMathFunctor>` | optimizer |")
+
