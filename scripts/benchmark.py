@@ -34,6 +34,18 @@ batched matmuls here: linears are ``addmm``/``mm``), ``aten::_softmax*``, ``aten
 for those rows); in compiled rows they are fused into the softmax kernel and counted. On the CPU the same op
 rule is applied to CPU self time.
 
+The same profiled steps also give a GPU time breakdown per row and step (``{train,infer}_breakdown_ms`` in
+benchmark.json, a second table in benchmark.md): kernel self time per step (kernels, memcpy and memset) in
+six categories, attention | GEMM | norm/elementwise | copies/layout | optimizer | other, by kernel name only
+(``classify_kernel``; so unlike the attention fraction, the cuBLAS batched matmuls of eager ``standard`` /
+``math`` attention count as GEMM). An inductor kernel (``triton_poi_fused_<ops>_<n>``) is copies/layout only
+if every op in its name only moves data (``triton_poi_fused__unsafe_view_clone_1``), else norm/elementwise
+(``triton_poi_fused_add_clone_gelu_view_5``). Next to it, ``{train,infer}_busy_union_ms_per_step``: the union
+of the kernel intervals on the timeline per step (concurrent kernels count once; ``busy_ms_per_step`` is
+their plain sum); GPU busy time well below the step time means the step is host-bound. On the CPU there are
+no kernels: both are None (``-`` in the table). With ``profile.top_kernels > 0``, profile.md lists the top
+kernels with their categories too.
+
 Examples:
     python scripts/benchmark.py out_dir=$OUT/bench                          # default grid (Swin-T, b128, bf16)
     python scripts/benchmark.py grid=quick                                   # eager rows only, ~1 min
@@ -598,6 +610,52 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
     return "\n".join(lines)
 
 
+def _row_label(r: dict[str, Any]) -> str:
+    return RowSpec(r["impl"], r["attention"], r["compile"], r["batch_size"], r["precision"],
+                   r.get("compile_mode")).label
+
+
+def _largest_share(breakdown: dict[str, float]) -> str:
+    total = sum(breakdown.values())
+    if not total:
+        return "-"
+    category = max(breakdown, key=breakdown.get)
+    return f"{category} {100 * breakdown[category] / total:.0f}%"
+
+
+BREAKDOWN_COLS = ["row", "step", "step ms", "GPU busy ms", *CATEGORIES, "largest"]
+
+
+def breakdown_table(rows: list[dict[str, Any]]) -> str:
+    """GPU kernel time per step by category, one line per row and step (train, infer); ms per step.
+
+    step ms: the timed (not profiled) wall time per step; GPU busy ms: union of the kernel intervals while
+    profiling; largest: the biggest category and its share of all kernel time. '-': no kernels (CPU).
+    """
+    lines = ["| " + " | ".join(BREAKDOWN_COLS) + " |", "|" + "---|" * len(BREAKDOWN_COLS)]
+    for r in rows:
+        if "error" in r or "skipped" in r:
+            continue
+        for mode in ("train", "infer"):
+            breakdown = r.get(f"{mode}_breakdown_ms")
+            cells = [_row_label(r), mode, _fmt(r.get(f"{mode}_step_ms"), ".2f"),
+                     _fmt(r.get(f"{mode}_busy_union_ms_per_step"), ".2f")]
+            if breakdown is None:
+                cells += ["-"] * (len(CATEGORIES) + 1)
+            else:
+                cells += [_fmt(breakdown[c], ".2f") for c in CATEGORIES] + [_largest_share(breakdown)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report_tables(rows: list[dict[str, Any]], profiled: bool) -> str:
+    """The comparison table, and with profiling the GPU time breakdown under it."""
+    table = markdown_table(rows, profiled)
+    if not profiled:
+        return table
+    return f"{table}\n\n## GPU kernel time per step by category (ms)\n\n{breakdown_table(rows)}"
+
+
 def save_chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -606,8 +664,7 @@ def save_chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ok = [r for r in rows if "error" not in r and "skipped" not in r]
     if not ok:
         return
-    labels = [RowSpec(r["impl"], r["attention"], r["compile"], r["batch_size"], r["precision"],
-                      r.get("compile_mode")).label for r in ok]
+    labels = [_row_label(r) for r in ok]
     colors = ["tab:orange" if r["impl"] == "ours" else "tab:blue" for r in ok]
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * len(ok) + 1.6), sharey=True)
     for ax, key, name in zip(axes, ("infer_img_s", "train_img_s"), ("inference", "training step")):
@@ -696,11 +753,13 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                   f"train {row['train_img_s']:,.1f} img/s, peak {_fmt(row['train_peak_gib'], '.2f')} GiB "
                   f"({row['row_s']:.0f} s, first train step {row['train_first_step_s']:.1f} s)", flush=True)
         add_comparisons(rows)
-        write_outputs(out_dir, result, markdown_table(rows, cfg.profile.enabled))  # partial results survive
+        write_outputs(out_dir, result, report_tables(rows, cfg.profile.enabled))  # partial results survive
 
     add_comparisons(rows)
-    table = markdown_table(rows, cfg.profile.enabled)
-    result["table"] = table
+    table = report_tables(rows, cfg.profile.enabled)
+    result["table"] = markdown_table(rows, cfg.profile.enabled)
+    if cfg.profile.enabled:
+        result["breakdown_table"] = breakdown_table(rows)
     result["total_s"] = time.perf_counter() - started
     write_outputs(out_dir, result, f"# {title}\n\n{table}")
     save_chart(rows, out_dir / "benchmark.png", title)
@@ -710,7 +769,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
           "x best timm: vs the best timm row of the same batch and precision; train mem: vs the fastest timm "
           "training row.")
     if cfg.profile.enabled:
-        print("attn %: attention GPU time per step / wall time per step, both while profiling.")
+        print("attn %: attention GPU time per step / wall time per step, both while profiling. Breakdown: GPU "
+              "kernel self time per step by kernel name (classify_kernel); GPU busy: union of kernel intervals "
+              "(GPU busy well below step ms: host-bound); '-': no GPU kernels (CPU run).")
     print(f"wrote {out_dir / 'benchmark.json'}, benchmark.md, benchmark.png ({result['total_s']:.0f} s)")
     return result
 

@@ -72,7 +72,11 @@ def test_benchmark_cpu(tmp_path):
             assert r["our_attention"] == r["attention"]
             assert positive(r["train_speedup_vs_best_timm"])
     assert (out / "benchmark.png").stat().st_size > 1000
-    assert "| ours | flash_window | no | 2 | fp32 |" in (out / "benchmark.md").read_text()
+    md = (out / "benchmark.md").read_text()
+    assert "| ours | flash_window | no | 2 | fp32 |" in md
+    assert "| row | step | step ms | GPU busy ms | attention | GEMM |" in md
+    assert "| ours flash_window b2 fp32 | train | " in md and "| timm sdpa b2 fp32 | infer | " in md
+    assert result["breakdown_table"] in md
     assert (out / "profile.md").read_text().count(" by self time over 1 steps") == 2 * len(rows)  # row x step
 
 
@@ -246,3 +250,37 @@ def test_top_kernels_table():
     assert lines[3].startswith("| `window_attn_fwd_kernel` | attention | 0.5 | 0.100 |")
     assert lines[4].startswith("| `multi_tensor_apply_kernel<FusedAdamMathFunctor>` | optimizer |")
 
+
+def _row(impl: str, attention: str, compile: bool, **extra) -> dict:
+    return dict(impl=impl, attention=attention, compile=compile, batch_size=128, precision="bf16", compile_mode=None,
+                infer_img_s=1000.0, train_img_s=300.0, **extra)
+
+
+def test_breakdown_table():
+    from scripts.benchmark import breakdown_table, report_tables
+
+    gpu = dict(breakdown_ms={"attention": 3.1, "GEMM": 9.0, "norm/elementwise": 5.0, "copies/layout": 1.0,
+                             "optimizer": 2.0, "other": 0.0}, busy_union_ms_per_step=19.5, step_ms=22.1)
+    rows = [
+        _row("ours", "flash_window", True, **{f"train_{k}": v for k, v in gpu.items()},
+             infer_step_ms=7.0, infer_busy_union_ms_per_step=6.5,
+             infer_breakdown_ms={"attention": 1.0, "GEMM": 3.0, "norm/elementwise": 2.0, "copies/layout": 0.5,
+                                 "optimizer": 0.0, "other": 0.0}),
+        _row("timm", "sdpa", False, error="OutOfMemoryError: CUDA out of memory"),
+        _row("timm", "math", False, train_step_ms=150.0, train_breakdown_ms=None, train_busy_union_ms_per_step=None,
+             infer_step_ms=40.0, infer_breakdown_ms=None, infer_busy_union_ms_per_step=None),
+    ]
+    lines = breakdown_table(rows).splitlines()
+    assert lines[0] == ("| row | step | step ms | GPU busy ms | attention | GEMM | norm/elementwise | copies/layout "
+                        "| optimizer | other | largest |")
+    assert lines[1] == "|" + "---|" * 11
+    assert lines[2:] == [
+        "| ours flash_window +compile b128 bf16 | train | 22.10 | 19.50 | 3.10 | 9.00 | 5.00 | 1.00 | 2.00 | 0.00 "
+        "| GEMM 45% |",
+        "| ours flash_window +compile b128 bf16 | infer | 7.00 | 6.50 | 1.00 | 3.00 | 2.00 | 0.50 | 0.00 | 0.00 "
+        "| GEMM 46% |",
+        "| timm math b128 bf16 | train | 150.00 | - | - | - | - | - | - | - | - |",  # CPU: no kernels
+        "| timm math b128 bf16 | infer | 40.00 | - | - | - | - | - | - | - | - |",
+    ]  # the error row is left out (the comparison table shows it)
+    assert breakdown_table(rows) in report_tables(rows, profiled=True)
+    assert "GPU busy ms" not in report_tables(rows, profiled=False)
