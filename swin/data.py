@@ -377,20 +377,33 @@ class SyntheticLoader:
             yield self.normalize(pool[idx]), idx % self.ds.num_classes, 0
 
 
+def build_eval_loader(val: Dataset, cfg: Any, device: torch.device, rank: int, world_size: int, batch_size: int,
+                      mean: Sequence[float] | None, std: Sequence[float] | None) -> DeviceLoader | SyntheticLoader:
+    """This process's shard of `val` (every image exactly once over all processes, nothing padded), as
+    normalised float32 batches on `device`. mean/std: the normalisation of uint8 images (None: float images)."""
+    device = torch.device(device)
+    norm = _Normalize(device, mean, std)
+    if isinstance(val, SyntheticDataset):
+        return SyntheticLoader(val, batch_size, device, norm, rank, world_size, seed=0, train=False)
+    workers = cfg.get("num_workers", 0)
+    loader = DataLoader(val, batch_size=batch_size, sampler=ShardSampler(len(val), rank, world_size),
+                        num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
+                        persistent_workers=workers > 0)
+    return DeviceLoader(loader, device, norm)
+
+
 def build_loaders(ds: Datasets, cfg: Any, device: torch.device, rank: int, world_size: int, micro_batch: int,
                   eval_batch: int, seed: int) -> tuple[DeviceLoader | SyntheticLoader, DeviceLoader | SyntheticLoader]:
     """Training loader (shuffled, drop_last, resumable: ``set_epoch(epoch, start_batch)``) and evaluation
     loader (sharded, every image once), both yielding normalised float32 batches on `device`."""
     device = torch.device(device)
+    val = build_eval_loader(ds.val, cfg, device, rank, world_size, eval_batch, ds.mean, ds.std)
     train_norm = _Normalize(device, ds.mean, ds.std, ds.re_prob, ds.re_mode, ds.re_count)
-    val_norm = _Normalize(device, ds.mean, ds.std)
-    if isinstance(ds.train, SyntheticDataset) and isinstance(ds.val, SyntheticDataset):
-        return (SyntheticLoader(ds.train, micro_batch, device, train_norm, rank, world_size, seed, train=True),
-                SyntheticLoader(ds.val, eval_batch, device, val_norm, rank, world_size, seed, train=False))
+    if isinstance(ds.train, SyntheticDataset):
+        return SyntheticLoader(ds.train, micro_batch, device, train_norm, rank, world_size, seed, train=True), val
     workers = cfg.get("num_workers", 0)
-    common = dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
-                  persistent_workers=workers > 0)
     sampler = ResumableDistributedSampler(ds.train, world_size, rank, shuffle=True, seed=seed)
-    train = DataLoader(ds.train, batch_size=micro_batch, sampler=sampler, drop_last=True, **common)
-    val = DataLoader(ds.val, batch_size=eval_batch, sampler=ShardSampler(len(ds.val), rank, world_size), **common)
-    return DeviceLoader(train, device, train_norm, sampler), DeviceLoader(val, device, val_norm)
+    train = DataLoader(ds.train, batch_size=micro_batch, sampler=sampler, drop_last=True, num_workers=workers,
+                       pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
+                       persistent_workers=workers > 0)
+    return DeviceLoader(train, device, train_norm, sampler), val
