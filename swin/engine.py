@@ -199,10 +199,10 @@ def evaluate(model: nn.Module, loader: Any, device: torch.device, autocast: Any)
                 out = model(x)
             out = out.float()
             hits = out.topk(min(5, out.shape[1]), dim=1).indices.eq(y[:, None])  # (B, k), sorted by score
-            # accumulate on the device: no host sync per batch
-            totals += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(),
-                                   nn.functional.cross_entropy(out, y, reduction="sum"),
-                                   torch.tensor(y.shape[0], device=device)]).double()
+            # accumulate on the device: no host sync per batch (nor a host-to-device copy of the count)
+            totals[:3] += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(),
+                                       nn.functional.cross_entropy(out, y, reduction="sum")]).double()
+            totals[3] += y.shape[0]
     all_reduce_sum(totals)
     model.train(was_training)
     c1, c5, loss, n = totals.tolist()
@@ -295,6 +295,21 @@ def _build_criterion(t: DictConfig, num_classes: int) -> tuple[nn.Module, Mixup 
     return nn.CrossEntropyLoss(), None
 
 
+def _build_model(cfg: DictConfig, dist: DistInfo, num_classes: int) -> nn.Module:
+    """The model on its device: the same initialisation on every rank, per-rank randomness afterwards."""
+    torch.manual_seed(cfg.seed)
+    overrides = OmegaConf.to_container(cfg.model, resolve=True)
+    for key in ("name", "pretrained", "num_classes"):
+        overrides.pop(key)
+    model = create_model(cfg.model.name, pretrained=cfg.model.pretrained, num_classes=num_classes, **overrides)
+    model.set_grad_checkpointing(cfg.train.grad_checkpointing)
+    model.to(dist.device)
+    seed_everything(cfg.seed + dist.rank)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, attention {model.attention}")
+    return model
+
+
 def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
     """Data, model, optimizer, schedule, loss, precision and EMA of a fresh run (resume() fills in the rest)."""
     t, device, world = cfg.train, dist.device, dist.world_size
@@ -311,22 +326,11 @@ def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
              f"classes; global batch {t.batch_size} = {world} x {t.accum_steps} x {micro_batch}, "
              f"{steps_per_epoch} steps/epoch")
 
-    # model (same initialisation on every rank; per-rank randomness afterwards)
     num_classes = cfg.model.num_classes or data.num_classes
     if num_classes < data.num_classes:
         raise ConfigError(f"model.num_classes={num_classes} but the data has {data.num_classes} classes; "
                           "set model.num_classes=null to follow the data")
-    torch.manual_seed(cfg.seed)
-    overrides = OmegaConf.to_container(cfg.model, resolve=True)
-    for key in ("name", "pretrained", "num_classes"):
-        overrides.pop(key)
-    raw_model = create_model(cfg.model.name, pretrained=cfg.model.pretrained, num_classes=num_classes, **overrides)
-    raw_model.set_grad_checkpointing(t.grad_checkpointing)
-    raw_model.to(device)
-    seed_everything(cfg.seed + dist.rank)
-    n_params = sum(p.numel() for p in raw_model.parameters())
-    log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, attention {raw_model.attention}")
-
+    raw_model = _build_model(cfg, dist, num_classes)
     optimizer, scheduler = _build_optimizer(cfg, raw_model, device, steps_per_epoch)
     criterion, mixup = _build_criterion(t, num_classes)
     amp = t.amp if t.amp != "auto" else ("bf16" if device.type == "cuda" else "fp32")
@@ -346,8 +350,8 @@ def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
         ema=ema, ema_updater=EmaUpdater(ema, raw_model) if ema is not None else None,
         criterion=criterion, mixup=mixup, amp=amp,
         autocast=torch.autocast(device.type, dtype=AMP_DTYPES[amp], enabled=amp != "fp32"),
-        train_loader=train_loader, val_loader=val_loader, steps_per_epoch=steps_per_epoch, n_params=n_params,
-        num_classes=num_classes, stats=StepStats(device))
+        train_loader=train_loader, val_loader=val_loader, steps_per_epoch=steps_per_epoch,
+        n_params=sum(p.numel() for p in raw_model.parameters()), num_classes=num_classes, stats=StepStats(device))
 
 
 def resume(run: Run) -> None:
@@ -525,8 +529,10 @@ def check_point(run: Run, reads: _Reads, clock: EpochClock, epoch: int, step: in
         log.info(f"epoch {epoch + 1} step {step + 1}/{run.steps_per_epoch} loss {loss:.4f} lr {cur_lr:.3e} "
                  f"img/s {ips:.0f} data-wait {'-' if wait is None else f'{wait:.1%}'}")
         if run.wandb_run is not None:
-            run.wandb_run.log({"train/loss": loss, "train/lr": cur_lr, "train/images_per_sec": ips,
-                               "train/data_wait_fraction": wait}, step=run.global_step)
+            record = {"train/loss": loss, "train/lr": cur_lr, "train/images_per_sec": ips}
+            if wait is not None:
+                record["train/data_wait_fraction"] = wait
+            run.wandb_run.log(record, step=run.global_step)
     return loss_sum, n
 
 
