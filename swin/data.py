@@ -365,15 +365,15 @@ class SyntheticLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
         pool = self.ds.pool(self.device)
-        g = torch.Generator(device=self.device)
+        g = torch.Generator(device=pool.device)  # pool.device names the index (cuda:0), as randint wants
         for b in range(self.start, self.num_batches):
-            if self.train:
-                g.manual_seed(((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.rank) * 1_000_003 + b)
-                idx = torch.randint(0, len(pool), (self.batch_size,), generator=g, device=self.device)
+            if self.train:  # seeding is host-side bookkeeping: no sync
+                g.manual_seed((((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.rank) * 1_000_003 + b) % 2**63)
+                idx = torch.randint(0, len(pool), (self.batch_size,), generator=g, device=pool.device)
             else:
                 first = self.rank + b * self.batch_size * self.world_size
                 last = min(len(self.ds), first + self.batch_size * self.world_size)
-                idx = torch.arange(first, last, self.world_size, device=self.device) % len(pool)
+                idx = torch.arange(first, last, self.world_size, device=pool.device) % len(pool)
             yield self.normalize(pool[idx]), idx % self.ds.num_classes, 0
 
 
