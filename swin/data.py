@@ -290,11 +290,13 @@ class _Normalize:
 class DeviceLoader:
     """A DataLoader's ``(images, targets, skipped)`` batches on `device`, normalised there, one batch ahead.
 
-    timm's PrefetchLoader (timm 1.0.31 semantics, also on the timm 1.0.29 of the GPU machine): on CUDA the
-    copy (from pinned memory, non_blocking), the normalisation and random erasing of batch k+1 are queued
-    on a side stream before batch k is handed out; the consumer's stream waits for that work before using
-    a batch, and the side stream waits for the consumer's queued work before allocating (a block the
-    consumer freed may be handed out again by the caching allocator). On the CPU the same, synchronously.
+    timm's PrefetchLoader, for (images, targets, skipped) batches and the same on every timm version: timm
+    1.0.29's (the GPU machine's) lacks the consumer-stream wait below and makes a new stream every epoch;
+    1.0.31's has both fixes. On CUDA the copy (from pinned memory, non_blocking), the normalisation and random
+    erasing of batch k+1 are queued on a side stream before batch k is handed out; the consumer's stream waits
+    for that work before using a batch, and the side stream waits for the consumer's queued work before
+    allocating (a block the consumer freed may be handed out again by the caching allocator while kernels
+    reading it are still queued). On the CPU the same steps run in order.
     Batches must be consumed on the stream that is current when the iterator is advanced.
     """
 

@@ -113,7 +113,7 @@ def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None
                           "processes); change train.batch_size or train.accum_steps")
     if t.opt_fused not in ("auto", True, False):
         raise ConfigError(f"train.opt_fused={t.opt_fused!r}: use auto, true or false")
-    if t.opt_fused is True and t.opt not in FUSED_OPTS:
+    if t.opt_fused is True and t.opt.lower() not in FUSED_OPTS:
         raise ConfigError(f"train.opt_fused=true needs train.opt={' or '.join(FUSED_OPTS)} (torch's fused kernels); "
                           f"set train.opt_fused=auto for train.opt={t.opt}")
     if t.amp not in ("auto", *AMP_DTYPES):
@@ -271,7 +271,7 @@ def _build_optimizer(cfg: DictConfig, raw_model: nn.Module, device: torch.device
         opt_kwargs["betas"] = tuple(t.opt_betas)
     # fused kernels: one launch per step instead of a dozen foreach ones, and they skip a non-finite
     # step on the device (found_inf); on by default on CUDA only, where they are the fast path
-    if t.opt_fused is True or (t.opt_fused == "auto" and device.type == "cuda" and t.opt in FUSED_OPTS):
+    if t.opt_fused is True or (t.opt_fused == "auto" and device.type == "cuda" and t.opt.lower() in FUSED_OPTS):
         opt_kwargs["fused"] = True
     # timm puts norms, biases and no_weight_decay() (bias tables) in a group without weight decay,
     # and applies layer-wise lr decay through the model's group_matcher()
