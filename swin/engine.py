@@ -237,6 +237,7 @@ class Run:
     n_params: int
     num_classes: int
     stats: StepStats
+    skip_on_device: bool  # the optimizer skips a non-finite step in its kernel (no host sync)
     epoch: int = 0  # epochs completed
     step_in_epoch: int = 0  # updates completed in the current epoch (resuming mid-epoch)
     global_step: int = 0
@@ -338,9 +339,10 @@ def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
     fwd_model: nn.Module = torch.compile(raw_model) if t.compile else raw_model
     model: nn.Module = (DDP(fwd_model, device_ids=[device] if device.type == "cuda" else None)
                         if dist.enabled else fwd_model)
+    skip_on_device = supports_found_inf(optimizer)
     log.info("non-finite guard: " + (
-        "decided on the device (fused optimizer skips a bad step itself), no host sync per step"
-        if supports_found_inf(optimizer) else
+        "decided on the device (the fused optimizer skips a bad step itself), no host sync per step"
+        if skip_on_device else "read on the host every update (CPU run)" if device.type == "cpu" else
         f"one host sync per update ({type(optimizer).__name__} cannot skip a step on the device; "
         "fused torch AdamW/Adam can: train.opt_fused)"))
     return Run(
@@ -351,7 +353,8 @@ def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
         criterion=criterion, mixup=mixup, amp=amp,
         autocast=torch.autocast(device.type, dtype=AMP_DTYPES[amp], enabled=amp != "fp32"),
         train_loader=train_loader, val_loader=val_loader, steps_per_epoch=steps_per_epoch,
-        n_params=sum(p.numel() for p in raw_model.parameters()), num_classes=num_classes, stats=StepStats(device))
+        n_params=sum(p.numel() for p in raw_model.parameters()), num_classes=num_classes, stats=StepStats(device),
+        skip_on_device=skip_on_device)
 
 
 def resume(run: Run) -> None:
@@ -439,7 +442,7 @@ def apply_update(run: Run, loss_sum: torch.Tensor) -> None:
         run.scaler.step(run.optimizer)  # skips on found_inf: sync-free for fused optimizers
         run.scaler.update()
     else:
-        step_unless(run.optimizer, skip)
+        step_unless(run.optimizer, skip, run.skip_on_device)
     run.optimizer.zero_grad(set_to_none=True)
     if run.ema_updater is not None:
         run.ema_updater.update(run.global_step, skip)

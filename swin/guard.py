@@ -46,9 +46,10 @@ def nonfinite_flags(loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch.
     return loss_bad, loss_bad | ~torch.isfinite(grad_norm)
 
 
-def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
-    """``optimizer.step()`` unless `skip` (0-dim bool on the device) is true."""
-    if supports_found_inf(optimizer):
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor, on_device: bool) -> None:
+    """``optimizer.step()`` unless `skip` (0-dim bool on the device) is true; `on_device`:
+    supports_found_inf(optimizer), computed once by the caller (inspecting step() every update costs time)."""
+    if on_device:
         # what GradScaler.step does for these optimizers: attributes read by step(), then removed
         optimizer.found_inf = skip.to(torch.float32)  # type: ignore[attr-defined]  # exactly 0.0 or 1.0
         optimizer.grad_scale = None  # type: ignore[attr-defined]

@@ -63,6 +63,7 @@ def test_nan_gradient_leaves_weights_and_optimizer_state_unchanged(tmp_path, fus
     """Finite loss, one NaN gradient: the update is skipped on the device (fused AdamW's found_inf) or on the
     host (foreach AdamW), clipping and EMA included, and the step is counted as non-finite."""
     run = _setup(tmp_path, f"train.opt_fused={str(fused).lower()}", "train.ema=true", "train.ema_decay=0.9")
+    assert run.skip_on_device == fused  # fused: the kernel's found_inf; foreach: read on the host
     poison = _PoisonGrad(run.raw_model.head.fc.weight)
     batches = iter(run.train_loader)
     for _ in range(2):  # optimizer state and EMA exist and move
@@ -175,7 +176,7 @@ def test_gpu_steady_state_step_never_syncs(tmp_path, case):
     run under it without error."""
     run = _setup(tmp_path, *GPU_CASES[case], "data.train_limit=512", "train.batch_size=32", "train.ema=true",
                  "model.drop_path_rate=0.0", device="cuda", base=tuple(FAST))
-    assert run.optimizer.defaults.get("fused")
+    assert run.optimizer.defaults.get("fused") and run.skip_on_device
     batches = iter(run.train_loader)
     _step(run, batches)  # first step: lazy initialisation (optimizer state, kernels, cuBLAS handles...)
     torch.cuda.synchronize()
