@@ -81,14 +81,11 @@ class EmaUpdater:
     def __init__(self, ema: nn.Module, model: nn.Module):
         self.ema = ema
         self.floats: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self.others: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.others: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # integer buffers
         for e, m in zip(ema.module.state_dict().values(), model.state_dict().values()):
-            if e.is_floating_point():
-                es, ms = self.floats.setdefault(e.dtype, ([], []))
-                es.append(e)
-                ms.append(m)
-            else:
-                self.others.append((e, m))
+            es, ms = self.floats.setdefault(e.dtype, ([], [])) if e.is_floating_point() else self.others
+            es.append(e)
+            ms.append(m)
 
     @torch.no_grad()
     def update(self, step: int, skip: torch.Tensor) -> None:
@@ -98,8 +95,8 @@ class EmaUpdater:
             diff = torch._foreach_sub(ms, es)
             torch._foreach_mul_(diff, weight.to(dtype))
             torch._foreach_add_(es, diff)
-        for e, m in self.others:  # integer buffers (indices): identical in model and EMA anyway
-            e.copy_(m)
+        if self.others[0]:  # integer buffers are copied, as ModelEmaV3 does (a skipped step did not change them)
+            torch._foreach_copy_(*self.others)
 
 
 class StepStats:

@@ -188,3 +188,28 @@ def test_gpu_steady_state_step_never_syncs(tmp_path, case):
         torch.cuda.set_sync_debug_mode("default")
     consecutive, total, _, finite = run.stats.read()
     assert (consecutive, total, finite) == (0, 0, 5)
+
+
+def test_ema_updater_matches_timm_model_ema_and_skips_on_the_device():
+    """EmaUpdater = timm's ModelEmaV3.update (decay schedule, buffers) for kept steps, no change for skipped ones."""
+    from timm.utils import ModelEmaV3
+
+    from swin.guard import EmaUpdater
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    ours, ref = ModelEmaV3(model, decay=0.9), ModelEmaV3(model, decay=0.9)
+    updater = EmaUpdater(ours, model)
+    for step in range(6):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        model(torch.randn(8, 3))  # moves the BatchNorm running stats (float and integer buffers)
+        skip = step in (2, 3)
+        before = copy.deepcopy(ours.module.state_dict())
+        updater.update(step, torch.tensor(skip))
+        if skip:
+            floats = {k: v for k, v in before.items() if v.is_floating_point()}
+            assert all(torch.equal(ours.module.state_dict()[k], v) for k, v in floats.items())
+        else:
+            ref.update(model, step=step)
+            for k, v in ref.module.state_dict().items():
+                torch.testing.assert_close(ours.module.state_dict()[k], v, rtol=1e-6, atol=1e-6)
