@@ -4,11 +4,14 @@
 #   bash scripts/gpu_session.sh kernel    # launch sweep (SWIN_FW_* knobs), then the attention benchmark
 #   bash scripts/gpu_session.sh e2e       # Swin-T end to end: default grid with profiling, then CUDA graphs
 #   bash scripts/gpu_session.sh e2e-base  # Swin-B 224 and Swin-B 384 end to end
+#   bash scripts/gpu_session.sh loop      # train.py against its own model step: compiled model step (benchmark),
+#                                         # train.py on synthetic data compiled and eager, and the ImageNet recipe on
+#                                         # a generated JPEG folder (~7 min on an H100); table in $OUT/loop.md
 # Hydra is missing on the device machine: carry .whl (../shared/device-wheels/, see its README).
 set -uo pipefail
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base) ;;
-  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base" >&2; exit 2 ;;
+  tests|kernel|e2e|e2e-base|loop) ;;
+  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|loop" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
@@ -22,7 +25,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__)"
 case "${1:-}" in
   tests)
-    python -m pytest -q tests/test_flash_window.py 2>&1 | tee "$OUT/gpu_tests.txt" ;;
+    python -m pytest -q tests/test_flash_window.py 2>&1 | tee "$OUT/gpu_tests.txt"
+    # the training step never syncs (CUDA sync debug mode), the side-stream loader keeps batches intact
+    python -m pytest -q -m gpu tests/test_train_guard.py tests/test_data.py 2>&1 | tee "$OUT/gpu_loop_tests.txt" ;;
   kernel)
     python scripts/tune_flash_window.py 2>&1 | tee "$OUT/tune.txt"
     python scripts/bench_attention.py --preset all --dtype bf16 fp32 --json "$OUT/bench_attention.json" ;;
@@ -33,4 +38,24 @@ case "${1:-}" in
     python scripts/benchmark.py model=swin_base_patch4_window7_224 out_dir="$OUT/swin_b224" time_budget_s=240
     python scripts/benchmark.py model=swin_base_patch4_window12_384 grid.batch_size=[64] \
       out_dir="$OUT/swin_b384" time_budget_s=240 ;;
+  loop)
+    # run dirs (with their ~0.4 GB checkpoints) stay in /tmp; summary.json and train.log are copied to $OUT
+    R=/tmp/loop; rm -rf "$R"; mkdir -p "$R"
+    Q="logger.wandb.mode=disabled logger.progress=false train.save_every_epochs=0 train.eval_every=1000"
+    python scripts/benchmark.py grid=loop out_dir="$OUT/loop_model" time_budget_s=0
+    # Swin-T b128 bf16 as in the benchmark row, plus train.py's defaults: EMA, clip_grad 5, label smoothing;
+    # 2 epochs of 200 steps (the summary's img/s and data-wait fraction are the last epoch's)
+    S="model=swin_tiny_patch4_window7_224 data=synthetic data.train_samples=25600 data.val_samples=512
+       train.batch_size=128 train.amp=bf16 train.epochs=2 train.warmup_epochs=1 train.lr=1e-4 $Q"
+    python train.py $S train.compile=true hydra.run.dir="$R/synthetic_compiled"
+    python train.py $S train.compile=false hydra.run.dir="$R/synthetic_eager"
+    # the official recipe (RandAugment, random erasing, mixup/cutmix) on ImageNet-shaped JPEGs, cores-1 workers;
+    # 64 classes: 80 steps/epoch at b128 and 512 validation images (whole eval batches: no recompilation)
+    python scripts/make_imagefolder.py "$R/fakenet" --classes 64 --train-per-class 160 --val-per-class 8
+    python train.py experiment=imagenet_swin_tiny data.root="$R/fakenet" data.num_workers=$(( $(nproc) - 1 )) \
+      train.batch_size=128 train.epochs=3 train.warmup_epochs=1 train.compile=true $Q hydra.run.dir="$R/imagenet_folder"
+    for d in synthetic_compiled synthetic_eager imagenet_folder; do
+      mkdir -p "$OUT/loop_$d" && cp "$R/$d/summary.json" "$R/$d/train.log" "$OUT/loop_$d/" 2>/dev/null
+    done
+    python scripts/loop_report.py "$OUT" | tee "$OUT/loop.md" ;;
 esac

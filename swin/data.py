@@ -1,8 +1,13 @@
 """Datasets and loaders for training: ``digits`` (scikit-learn, embedded), ``imagefolder`` and
-``imagenet`` (torchvision ImageFolder with timm transforms) and ``synthetic`` (random tensors).
+``imagenet`` (torchvision ImageFolder with timm transforms) and ``synthetic`` (random images made on the device).
 
-Every loader yields ``(images, targets, skipped)`` where ``skipped`` counts unreadable images that
-were dropped from that batch (only with ``data.skip_corrupt=true``; otherwise they raise).
+Every loader yields ``(images, targets, skipped)`` on the training device, where ``skipped`` counts
+unreadable images that were dropped from that batch (only with ``data.skip_corrupt=true``; otherwise they raise).
+
+The data path is timm's ``create_loader(use_prefetcher=True)``: folder datasets stop their transforms at a
+uint8 tensor (4x less to collate, pin and copy than float32), and :class:`DeviceLoader` copies each batch
+to the GPU on a side stream one batch ahead (pinned memory, non_blocking), then normalises it and applies
+random erasing there, so the copy and the preprocessing overlap the previous step instead of delaying it.
 """
 from __future__ import annotations
 
@@ -29,6 +34,14 @@ class Datasets:
     train: Dataset
     val: Dataset
     num_classes: int
+    # Normalisation applied on the device: the datasets yield uint8 images (0-255) that become
+    # (x - 255 mean) / (255 std) in float32. None: the datasets already yield normalised float images.
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    # timm RandomErasing of training batches, on the device after normalisation (as timm's PrefetchLoader)
+    re_prob: float = 0.0
+    re_mode: str = "const"
+    re_count: int = 1
 
 
 # --- datasets --------------------------------------------------------------------------------
@@ -119,39 +132,65 @@ def folder_datasets(cfg: Any, img_size: tuple[int, int]) -> Datasets:
             raise ValueError(f"data.root={root} has no {split}/ folder; point data.root at a folder with "
                              f"{cfg.train_dir}/ and {cfg.val_dir}/ sub-folders of one folder per class")
     mean, std = tuple(cfg.mean), tuple(cfg.std)
+    # use_prefetcher=True: the transforms end in a uint8 CHW tensor; normalisation and random erasing
+    # (re_prob) run on the device in DeviceLoader, as with timm's create_loader(use_prefetcher=True)
     train_tf = create_transform(
         input_size=img_size, is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio), hflip=cfg.hflip,
         color_jitter=cfg.color_jitter, auto_augment=cfg.auto_augment, interpolation=cfg.interpolation,
-        re_prob=cfg.reprob, re_mode=cfg.remode, re_count=cfg.recount, mean=mean, std=std)
-    val_tf = create_transform(input_size=img_size, is_training=False, interpolation=cfg.interpolation,
-                              crop_pct=cfg.crop_pct, mean=mean, std=std)
+        mean=mean, std=std, use_prefetcher=True)
+    val_tf = eval_transform(img_size, cfg.interpolation, cfg.crop_pct, mean, std)
     train = CheckedImageFolder(root / cfg.train_dir, train_tf, cfg.skip_corrupt)
     val = CheckedImageFolder(root / cfg.val_dir, val_tf, cfg.skip_corrupt)
     if train.classes != val.classes:
         raise ValueError(f"{root / cfg.train_dir} and {root / cfg.val_dir} have different class folders; "
                          "both splits need the same set of class sub-folders")
-    return Datasets(train, val, num_classes=len(train.classes))
+    return Datasets(train, val, num_classes=len(train.classes), mean=mean, std=std,
+                    re_prob=cfg.reprob, re_mode=cfg.remode, re_count=cfg.recount)
+
+
+def eval_transform(img_size: int | Sequence[int], interpolation: str, crop_pct: float,
+                   mean: Sequence[float], std: Sequence[float]) -> Any:
+    """timm's evaluation resize + center crop, ending in a uint8 tensor (normalised on the device)."""
+    from timm.data import create_transform
+    return create_transform(input_size=img_size, is_training=False, interpolation=interpolation, crop_pct=crop_pct,
+                            mean=tuple(mean), std=tuple(std), use_prefetcher=True)
 
 
 class SyntheticDataset(Dataset):
-    """Random images for smoke and throughput runs: a fixed pool, label = pool index % classes."""
+    """Random uint8 images for smoke and throughput runs: a fixed pool, sample i is pool image i % pool
+    with label (i % pool) % num_classes (learnable, so a run can be checked to train).
+
+    Loaders build the pool on the training device (:class:`SyntheticLoader`: no workers, no copies);
+    indexing gives the same images on the CPU, for code that wants a plain Dataset.
+    """
 
     def __init__(self, num_samples: int, img_size: tuple[int, int], num_classes: int, seed: int, pool: int = 64):
-        g = torch.Generator().manual_seed(seed)
-        self.pool = torch.randn(pool, 3, *img_size, generator=g)
-        self.num_samples, self.num_classes = num_samples, num_classes
+        self.num_samples, self.img_size, self.num_classes, self.seed = num_samples, img_size, num_classes, seed
+        self.pool_size = pool
+        self._pools: dict[torch.device, torch.Tensor] = {}
+
+    def pool(self, device: torch.device) -> torch.Tensor:
+        """The (pool, 3, H, W) uint8 images, generated on `device` from the seed (once per device)."""
+        device = torch.device(device)
+        if device not in self._pools:
+            g = torch.Generator(device=device).manual_seed(self.seed)
+            self._pools[device] = torch.randint(0, 256, (self.pool_size, 3, *self.img_size), generator=g,
+                                                device=device, dtype=torch.uint8)
+        return self._pools[device]
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        j = i % len(self.pool)
-        return self.pool[j], j % self.num_classes
+        j = i % self.pool_size
+        return self.pool(torch.device("cpu"))[j], j % self.num_classes
 
 
 def synthetic_datasets(cfg: Any, img_size: tuple[int, int]) -> Datasets:
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
     return Datasets(SyntheticDataset(cfg.train_samples, img_size, cfg.num_classes, seed=0),
-                    SyntheticDataset(cfg.val_samples, img_size, cfg.num_classes, seed=0), cfg.num_classes)
+                    SyntheticDataset(cfg.val_samples, img_size, cfg.num_classes, seed=0), cfg.num_classes,
+                    mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD)
 
 
 BUILDERS = {"digits": digits_datasets, "imagefolder": folder_datasets, "imagenet": folder_datasets,
@@ -164,10 +203,14 @@ def build_datasets(cfg: Any, img_size: int | Sequence[int]) -> Datasets:
     if cfg.name not in BUILDERS:
         raise ValueError(f"unknown data.name {cfg.name!r}; use data=<{'|'.join(BUILDERS)}>")
     ds = BUILDERS[cfg.name](cfg, size)
-    if cfg.get("train_limit"):
-        ds.train = Subset(ds.train, range(min(cfg.train_limit, len(ds.train))))
-    if cfg.get("val_limit"):
-        ds.val = Subset(ds.val, range(min(cfg.val_limit, len(ds.val))))
+    for split, limit in (("train", cfg.get("train_limit")), ("val", cfg.get("val_limit"))):
+        part = getattr(ds, split)
+        if not limit:
+            continue
+        if isinstance(part, SyntheticDataset):  # stays a SyntheticDataset: its loader works on the device
+            part.num_samples = min(limit, part.num_samples)
+        else:
+            setattr(ds, split, Subset(part, range(min(limit, len(part)))))
     return ds
 
 
@@ -220,13 +263,149 @@ def collate_dropping_corrupt(batch: list) -> tuple[torch.Tensor, torch.Tensor, i
     return x, y, len(batch) - len(kept)
 
 
-def build_loaders(ds: Datasets, cfg: Any, rank: int, world_size: int, micro_batch: int, eval_batch: int,
-                  seed: int, pin_memory: bool) -> tuple[DataLoader, ResumableDistributedSampler, DataLoader]:
-    """Training loader (shuffled, drop_last, resumable sampler) and evaluation loader (sharded)."""
+class _Normalize:
+    """uint8 -> float32 (x - 255 mean) / (255 std), then random erasing; None mean: float images pass through."""
+
+    def __init__(self, device: torch.device, mean: Sequence[float] | None, std: Sequence[float] | None,
+                 re_prob: float = 0.0, re_mode: str = "const", re_count: int = 1):
+        self.mean = self.std = None
+        if mean is not None and std is not None:
+            self.mean = torch.tensor([255 * m for m in mean], device=device).view(1, -1, 1, 1)
+            self.std = torch.tensor([255 * s for s in std], device=device).view(1, -1, 1, 1)
+        self.erasing = None
+        if re_prob > 0:
+            from timm.data.random_erasing import RandomErasing
+            self.erasing = RandomErasing(re_prob, mode=re_mode, max_count=re_count, device=device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mean is not None:  # uint8 -> a new float32 tensor, normalised in place
+            x = x.float().sub_(self.mean).div_(self.std)
+        else:
+            x = x.float()
+        if self.erasing is not None:
+            x = self.erasing(x)
+        return x
+
+
+class DeviceLoader:
+    """A DataLoader's ``(images, targets, skipped)`` batches on `device`, normalised there, one batch ahead.
+
+    timm's PrefetchLoader, for (images, targets, skipped) batches and the same on every timm version: timm
+    1.0.29's (the GPU machine's) lacks the consumer-stream wait below and makes a new stream every epoch;
+    1.0.31's has both fixes. On CUDA the copy (from pinned memory, non_blocking), the normalisation and random
+    erasing of batch k+1 are queued on a side stream before batch k is handed out; the consumer's stream waits
+    for that work before using a batch, and the side stream waits for the consumer's queued work before
+    allocating (a block the consumer freed may be handed out again by the caching allocator while kernels
+    reading it are still queued). On the CPU the same steps run in order.
+    Batches must be consumed on the stream that is current when the iterator is advanced.
+    """
+
+    def __init__(self, loader: DataLoader, device: torch.device, normalize: _Normalize,
+                 sampler: ResumableDistributedSampler | None = None):
+        self.loader, self.device, self.normalize, self.sampler = loader, torch.device(device), normalize, sampler
+        self.batch_size = loader.batch_size or 1
+        self.num_batches = len(loader)  # a whole epoch, whatever set_epoch(start_batch=...) skips
+        self._stream: torch.cuda.Stream | None = None
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Order of `epoch`, skipping its first `start_batch` batches on this process (resuming mid-epoch)."""
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+            self.sampler.set_start(start_batch * self.batch_size)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
+        return self.normalize(x), y
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        cuda = self.device.type == "cuda"
+        if cuda and self._stream is None:
+            # one stream for the loader's lifetime: the allocator caches blocks per stream
+            self._stream = torch.cuda.Stream(device=self.device)
+        pending = None
+        for x, y, skipped in self.loader:
+            if cuda:
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._stream):
+                    ready = (*self._to_device(x, y), skipped)
+            else:
+                ready = (*self._to_device(x, y), skipped)
+            if pending is not None:
+                yield pending
+            if cuda:  # whoever uses `ready` (handed out on the next call) waits for its copy
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            pending = ready
+        if pending is not None:
+            yield pending
+
+
+class SyntheticLoader:
+    """Batches of a SyntheticDataset made on the device: no workers, no host work beyond a few launches.
+
+    Training: each batch draws pool indices from a generator seeded by (seed, epoch, rank, batch), so a run is
+    reproducible and resumable mid-epoch. Evaluation: this process's stride of the samples, in order.
+    """
+
+    def __init__(self, ds: SyntheticDataset, batch_size: int, device: torch.device, normalize: _Normalize,
+                 rank: int, world_size: int, seed: int, train: bool):
+        self.ds, self.batch_size, self.device, self.normalize = ds, batch_size, torch.device(device), normalize
+        self.rank, self.world_size, self.seed, self.train = rank, world_size, seed, train
+        per_rank = -(-len(ds) // world_size) if train else len(range(rank, len(ds), world_size))
+        # training drops the last partial batch (as the DataLoader of the other datasets does)
+        self.num_batches = per_rank // batch_size if train else -(-per_rank // batch_size)
+        self.epoch = self.start = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch, self.start = epoch, start_batch
+
+    def __len__(self) -> int:
+        return self.num_batches - self.start
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        pool = self.ds.pool(self.device)
+        g = torch.Generator(device=pool.device)  # pool.device names the index (cuda:0), as randint wants
+        for b in range(self.start, self.num_batches):
+            if self.train:  # seeding is host-side bookkeeping: no sync
+                g.manual_seed((((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.rank) * 1_000_003 + b) % 2**63)
+                idx = torch.randint(0, len(pool), (self.batch_size,), generator=g, device=pool.device)
+            else:
+                first = self.rank + b * self.batch_size * self.world_size
+                last = min(len(self.ds), first + self.batch_size * self.world_size)
+                idx = torch.arange(first, last, self.world_size, device=pool.device) % len(pool)
+            yield self.normalize(pool[idx]), idx % self.ds.num_classes, 0
+
+
+def build_eval_loader(val: Dataset, cfg: Any, device: torch.device, rank: int, world_size: int, batch_size: int,
+                      mean: Sequence[float] | None, std: Sequence[float] | None) -> DeviceLoader | SyntheticLoader:
+    """This process's shard of `val` (every image exactly once over all processes, nothing padded), as
+    normalised float32 batches on `device`. mean/std: the normalisation of uint8 images (None: float images)."""
+    device = torch.device(device)
+    norm = _Normalize(device, mean, std)
+    if isinstance(val, SyntheticDataset):
+        return SyntheticLoader(val, batch_size, device, norm, rank, world_size, seed=0, train=False)
     workers = cfg.get("num_workers", 0)
-    common = dict(num_workers=workers, pin_memory=pin_memory, collate_fn=collate_dropping_corrupt,
-                  persistent_workers=workers > 0)
+    loader = DataLoader(val, batch_size=batch_size, sampler=ShardSampler(len(val), rank, world_size),
+                        num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
+                        persistent_workers=workers > 0)
+    return DeviceLoader(loader, device, norm)
+
+
+def build_loaders(ds: Datasets, cfg: Any, device: torch.device, rank: int, world_size: int, micro_batch: int,
+                  eval_batch: int, seed: int) -> tuple[DeviceLoader | SyntheticLoader, DeviceLoader | SyntheticLoader]:
+    """Training loader (shuffled, drop_last, resumable: ``set_epoch(epoch, start_batch)``) and evaluation
+    loader (sharded, every image once), both yielding normalised float32 batches on `device`."""
+    device = torch.device(device)
+    val = build_eval_loader(ds.val, cfg, device, rank, world_size, eval_batch, ds.mean, ds.std)
+    train_norm = _Normalize(device, ds.mean, ds.std, ds.re_prob, ds.re_mode, ds.re_count)
+    if isinstance(ds.train, SyntheticDataset):
+        return SyntheticLoader(ds.train, micro_batch, device, train_norm, rank, world_size, seed, train=True), val
+    workers = cfg.get("num_workers", 0)
     sampler = ResumableDistributedSampler(ds.train, world_size, rank, shuffle=True, seed=seed)
-    train = DataLoader(ds.train, batch_size=micro_batch, sampler=sampler, drop_last=True, **common)
-    val = DataLoader(ds.val, batch_size=eval_batch, sampler=ShardSampler(len(ds.val), rank, world_size), **common)
-    return train, sampler, val
+    train = DataLoader(ds.train, batch_size=micro_batch, sampler=sampler, drop_last=True, num_workers=workers,
+                       pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
+                       persistent_workers=workers > 0)
+    return DeviceLoader(train, device, train_norm, sampler), val

@@ -37,14 +37,20 @@ def _progress(total: int | None, enabled: bool, desc: str):
     return tqdm(total=total, desc=desc, unit="img", disable=not enabled, dynamic_ncols=True, leave=True)
 
 
+def _raise_targets(lo: int, hi: int, num_classes: int) -> None:
+    raise ValueError(f"targets in [{lo}, {hi}] do not fit a model with {num_classes} classes; "
+                     "set model.num_classes to the dataset's class count")
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str = "cpu", amp: str | None = None,
              progress: bool = True, total: int | None = None, desc: str = "eval",
              channels_last: bool = False) -> dict[str, Any]:
     """Top-1 / top-5 accuracy (percent), mean cross-entropy loss and images/s of ``model`` on ``loader``.
 
-    ``loader`` yields (images, integer targets[, skipped unreadable images]); under DDP give each process
-    a ``swin.data.ShardSampler`` shard: every sum is all-reduced, so all processes get the whole set's numbers.
+    ``loader`` yields (images, integer targets[, skipped unreadable images]), on the host or already on
+    ``device`` (``swin.data.build_eval_loader``); under DDP give each process a ``swin.data.ShardSampler``
+    shard: every sum is all-reduced, so all processes get the whole set's numbers.
     ``total``: number of images on this process, for the progress bar.
     ``amp``: None/'fp32', 'bf16' or 'fp16' autocast; logits are upcast to fp32 for loss and ranking.
     """
@@ -54,6 +60,7 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
     # sums are float64 so that loss sums over millions of images stay exact enough
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # correct1, correct5, loss, count, skipped
     num_classes = None
+    bounds: torch.Tensor | None = None  # (min, max) of targets that arrived on the device
     bar = _progress(total, progress, desc)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -63,7 +70,9 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
             images, targets = batch[0], batch[1]
             if len(batch) > 2:  # swin.data loaders also say how many unreadable images were dropped
                 sums[4] += batch[2]
-            lo, hi = int(targets.min()), int(targets.max())  # on the host: no device sync
+            on_host = targets.device.type == "cpu"
+            if on_host:  # checked before use; targets already on the device are checked at the end (no sync)
+                lo, hi = int(targets.min()), int(targets.max())
             images = images.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             if channels_last:
@@ -72,9 +81,12 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
                 logits = model(images)
             logits = logits.float()
             num_classes = logits.shape[-1]
-            if lo < 0 or hi >= num_classes:
-                raise ValueError(f"targets in [{lo}, {hi}] do not fit a model with {num_classes} classes; "
-                                 "set model.num_classes to the dataset's class count")
+            if on_host and (lo < 0 or hi >= num_classes):
+                _raise_targets(lo, hi, num_classes)
+            if not on_host:
+                bounds = torch.stack([targets.min(), targets.max()]) if bounds is None else torch.stack(
+                    [torch.minimum(bounds[0], targets.min()), torch.maximum(bounds[1], targets.max())])
+                targets = targets.clamp(0, num_classes - 1)  # an out-of-range index would be a device assert
             k = min(5, num_classes)
             hit = logits.topk(k, dim=-1).indices.eq(targets[:, None])
             sums[0] += hit[:, 0].sum()
@@ -92,6 +104,10 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
     finally:
         bar.close()
         model.train(was_training)
+    if bounds is not None:
+        lo, hi = bounds.tolist()
+        if lo < 0 or hi >= num_classes:
+            _raise_targets(lo, hi, num_classes)
     local = sums[3].item()
     all_reduce_sum(sums)
     # throughput of the whole job: every process works in parallel, so total images / slowest time
@@ -162,16 +178,15 @@ def eval_transform_settings(model_name: str, ckpt: Any, data_cfg: Any) -> tuple[
     return settings, f"timm pretrained config of {name}"
 
 
-def build_eval_dataset(data_cfg: Any, img_size: Any) -> tuple[Any, int]:
-    """Validation split only (an ImageNet train/ folder takes long to list and is not needed)."""
+def build_eval_dataset(data_cfg: Any, img_size: Any) -> tuple[Any, int, tuple[Any, Any]]:
+    """Validation split only (an ImageNet train/ folder takes long to list and is not needed), its class
+    count and (mean, std): folder images come as uint8 and are normalised on the device (swin.data)."""
     from torch.utils.data import Subset
 
-    from .data import CheckedImageFolder, build_datasets
+    from .data import CheckedImageFolder, build_datasets, eval_transform
 
     if data_cfg.name in ("imagefolder", "imagenet"):
         from pathlib import Path
-
-        from timm.data import create_transform
 
         if not data_cfg.root:
             raise ValueError(f"data={data_cfg.name} needs data.root=/path/to/dataset (with a {data_cfg.val_dir}/ "
@@ -180,15 +195,14 @@ def build_eval_dataset(data_cfg: Any, img_size: Any) -> tuple[Any, int]:
         if not val_dir.is_dir():
             raise ValueError(f"data.root={data_cfg.root} has no {data_cfg.val_dir}/ folder of class sub-folders")
         size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
-        tf = create_transform(input_size=size, is_training=False, interpolation=data_cfg.interpolation,
-                              crop_pct=data_cfg.crop_pct, mean=tuple(data_cfg.mean), std=tuple(data_cfg.std))
+        tf = eval_transform(size, data_cfg.interpolation, data_cfg.crop_pct, data_cfg.mean, data_cfg.std)
         val = CheckedImageFolder(val_dir, tf, data_cfg.skip_corrupt)
         num_classes = len(val.classes)
         if data_cfg.get("val_limit"):
             val = Subset(val, range(min(data_cfg.val_limit, len(val))))
-        return val, num_classes
+        return val, num_classes, (tuple(data_cfg.mean), tuple(data_cfg.std))
     ds = build_datasets(data_cfg, img_size)
-    return ds.val, ds.num_classes
+    return ds.val, ds.num_classes, (ds.mean, ds.std)
 
 
 def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = None) -> dict[str, Any]:
@@ -197,11 +211,10 @@ def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = N
 
     import timm
     from omegaconf import OmegaConf
-    from torch.utils.data import DataLoader
 
     from . import create_model
     from .checkpoint import checkpoint_num_classes, load_into, read_source
-    from .data import ShardSampler, collate_dropping_corrupt
+    from .data import build_eval_loader
     from .distributed import barrier, cleanup, init_distributed
 
     log = logging.getLogger("swin.eval")
@@ -239,21 +252,18 @@ def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = N
         report = load_into(model, ckpt, reset_head=False)
         model.to(dist.device)
 
-        val, data_classes = build_eval_dataset(data_cfg, model.img_size)
+        val, data_classes, (mean, std) = build_eval_dataset(data_cfg, model.img_size)
         if data_classes > num_classes:
             raise ValueError(f"the data has {data_classes} classes but the checkpoint's classifier {num_classes}")
-        pin = dist.device.type == "cuda"
-        workers = data_cfg.get("num_workers", 0)
-        loader = DataLoader(val, batch_size=cfg.batch_size, sampler=ShardSampler(len(val), dist.rank, dist.world_size),
-                            num_workers=workers, pin_memory=pin, collate_fn=collate_dropping_corrupt,
-                            persistent_workers=False)
+        # uint8 batches copied one ahead on a side stream and normalised on the device, as in training
+        loader = build_eval_loader(val, data_cfg, dist.device, dist.rank, dist.world_size, cfg.batch_size, mean, std)
         amp = cfg.amp if cfg.amp != "auto" else ("bf16" if dist.device.type == "cuda" else "fp32")
         if dist.is_main:
             log.info(f"model {model_cfg.name} ({num_classes} classes, img_size {model.img_size}, window "
                      f"{model.window_size}, attention {model.attention}); data {data_cfg.name}: {len(val)} images, "
                      f"{dist.world_size} process(es), {amp}; transforms from {transforms_from} {transforms}")
         metrics = evaluate(model, loader, device=dist.device, amp=amp, progress=cfg.progress and dist.is_main,
-                           total=len(loader.sampler))
+                           total=len(range(dist.rank, len(val), dist.world_size)))
         results = {
             **{k: metrics[k] for k in ("top1", "top5", "loss", "images_per_sec", "num_images", "skipped_images",
                                        "seconds", "top5_k")},
