@@ -25,7 +25,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__)"
 case "${1:-}" in
   tests)
-    python -m pytest -q tests/test_flash_window.py 2>&1 | tee "$OUT/gpu_tests.txt"
+    # pytest-xdist (carry its wheel and execnet's in .whl): Triton compiles every case's kernels, on 8 cores at once
+    python -m pytest -q -n 8 --durations=10 tests/test_flash_window.py tests/test_model.py 2>&1 \
+      | tee "$OUT/gpu_tests.txt"
     # the training step never syncs (CUDA sync debug mode), the side-stream loader keeps batches intact
     python -m pytest -q -m gpu tests/test_train_guard.py tests/test_data.py 2>&1 | tee "$OUT/gpu_loop_tests.txt" ;;
   kernel)
@@ -48,13 +50,14 @@ case "${1:-}" in
     S="model=swin_tiny_patch4_window7_224 data=synthetic data.train_samples=25600 data.val_samples=512
        train.batch_size=128 train.amp=bf16 train.epochs=2 train.warmup_epochs=1 train.lr=1e-4 $Q"
     python train.py $S train.compile=true hydra.run.dir="$R/synthetic_compiled"
+    python train.py $S train.compile=true train.compile_mode=reduce-overhead hydra.run.dir="$R/synthetic_cudagraphs"
     python train.py $S train.compile=false hydra.run.dir="$R/synthetic_eager"
     # the official recipe (RandAugment, random erasing, mixup/cutmix) on ImageNet-shaped JPEGs, cores-1 workers;
     # 64 classes: 80 steps/epoch at b128 and 512 validation images (whole eval batches: no recompilation)
     python scripts/make_imagefolder.py "$R/fakenet" --classes 64 --train-per-class 160 --val-per-class 8
     python train.py experiment=imagenet_swin_tiny data.root="$R/fakenet" data.num_workers=$(( $(nproc) - 1 )) \
       train.batch_size=128 train.epochs=3 train.warmup_epochs=1 train.compile=true $Q hydra.run.dir="$R/imagenet_folder"
-    for d in synthetic_compiled synthetic_eager imagenet_folder; do
+    for d in synthetic_compiled synthetic_cudagraphs synthetic_eager imagenet_folder; do
       mkdir -p "$OUT/loop_$d" && cp "$R/$d/summary.json" "$R/$d/train.log" "$OUT/loop_$d/" 2>/dev/null
     done
     python scripts/loop_report.py "$OUT" | tee "$OUT/loop.md" ;;

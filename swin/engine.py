@@ -61,6 +61,8 @@ from .train_state import capture_rng, load_train_state, remove_stale_temporaries
 log = logging.getLogger("swin.train")
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
 # optimizers (timm names of torch.optim classes) built with fused=True on CUDA: their kernels skip a
 # non-finite step on the device (see swin.guard)
 FUSED_OPTS = ("adamw", "adam")
@@ -116,6 +118,8 @@ def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None
     if t.opt_fused is True and t.opt.lower() not in FUSED_OPTS:
         raise ConfigError(f"train.opt_fused=true needs train.opt={' or '.join(FUSED_OPTS)} (torch's fused kernels); "
                           f"set train.opt_fused=auto for train.opt={t.opt}")
+    if t.get("compile_mode", "default") not in COMPILE_MODES:
+        raise ConfigError(f"train.compile_mode={t.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
     if t.amp not in ("auto", *AMP_DTYPES):
         raise ConfigError(f"train.amp={t.amp!r}: use auto, bf16, fp16 or fp32")
     if m.attention == "flash_window" and device.type != "cuda":
@@ -254,6 +258,12 @@ class Run:
         return self.dist.device
 
     @property
+    def cudagraphs(self) -> bool:
+        """The compiled model replays CUDA graphs (these torch.compile modes record them)."""
+        t = self.cfg.train
+        return bool(t.compile) and t.get("compile_mode", "default") in CUDAGRAPH_MODES
+
+    @property
     def ckpt_dir(self) -> Path:
         return self.run_dir / "checkpoints"
 
@@ -336,7 +346,7 @@ def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
     criterion, mixup = _build_criterion(t, num_classes)
     amp = t.amp if t.amp != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     ema = ModelEmaV3(raw_model, decay=t.ema_decay) if t.ema else None
-    fwd_model: nn.Module = torch.compile(raw_model) if t.compile else raw_model
+    fwd_model: nn.Module = torch.compile(raw_model, mode=t.get("compile_mode", "default")) if t.compile else raw_model
     model: nn.Module = (DDP(fwd_model, device_ids=[device] if device.type == "cuda" else None)
                         if dist.enabled else fwd_model)
     skip_on_device = supports_found_inf(optimizer)
@@ -412,6 +422,8 @@ def train_step(run: Run, batches: Iterator, clock: EpochClock) -> tuple[int, int
         # only the last micro-batch of an update synchronises gradients across processes
         sync = micro == t.accum_steps - 1
         with run.model.no_sync() if run.dist.enabled and not sync else nullcontext():
+            if run.cudagraphs:  # a new step: outputs of the previous CUDA graph replay may be overwritten
+                torch.compiler.cudagraph_mark_step_begin()
             with run.autocast:
                 loss = run.criterion(run.model(x), y)
             run.scaler.scale(loss / t.accum_steps).backward()

@@ -284,3 +284,27 @@ def test_breakdown_table():
     ]  # the error row is left out (the comparison table shows it)
     assert breakdown_table(rows) in report_tables(rows, profiled=True)
     assert "GPU busy ms" not in report_tables(rows, profiled=False)
+
+
+def test_loop_report_compares_each_run_with_the_model_step_of_its_compile_mode(tmp_path):
+    from scripts.loop_report import main
+    (tmp_path / "loop_model").mkdir()
+    rows = [{"impl": "ours", "attention": "flash_window", "compile": True, "compile_mode": None, "batch_size": 128,
+             "precision": "bf16", "train_img_s": 4000.0},
+            {"impl": "ours", "attention": "flash_window", "compile": True, "compile_mode": "reduce-overhead",
+             "batch_size": 128, "precision": "bf16", "train_img_s": 5000.0}]
+    (tmp_path / "loop_model" / "benchmark.json").write_text(json.dumps({"rows": rows}))
+    for name, ips in (("synthetic_compiled", 3900.0), ("synthetic_cudagraphs", 4500.0), ("synthetic_eager", 2000.0)):
+        (tmp_path / f"loop_{name}").mkdir()
+        summary = {"images_per_sec": ips, "data_wait_fraction": 0.25, "history": [{"images_per_sec": ips}]}
+        (tmp_path / f"loop_{name}" / "summary.json").write_text(json.dumps(summary))
+    import contextlib
+    import io
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        main(tmp_path)
+    lines = {line.split(" | ")[0]: line.split(" | ") for line in text.getvalue().splitlines()}
+    assert lines["| train.py data=synthetic, compiled"][1:4] == ["3,900", "0.97", "25.0%"]
+    assert lines["| train.py data=synthetic, compiled, compile_mode=reduce-overhead"][1:3] == ["4,500", "0.90"]
+    assert lines["| train.py data=synthetic, eager"][2] == "-"
+    assert "missing" in lines["| train.py experiment=imagenet_swin_tiny on JPEGs, compiled"][1]

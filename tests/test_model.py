@@ -18,9 +18,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def skip_if_timm_floors_odd_stages(ref: torch.nn.Module, ours: torch.nn.Module) -> None:
+    """Older timm (1.0.29 on the GPU machine) sizes a stage after an odd feature map by floor (e.g. 25 -> 12),
+    though PatchMerging pads it to the ceiling (13) at run time; newer timm and this model use the ceiling.
+    The two then build different windows and bias tables, so there is no common state_dict to compare."""
+    for theirs, mine in zip(ref.layers, ours.layers):
+        if tuple(theirs.output_resolution) != tuple(mine.out_size):
+            pytest.skip(f"timm {timm.__version__} sizes a stage {tuple(theirs.output_resolution)} where the padded "
+                        f"feature map (and this model) is {tuple(mine.out_size)}; compared on newer timm")
+
+
 def twin_models(name: str, overrides: dict, attention: str):
     ref = timm.create_model(name, pretrained=False, drop_path_rate=0.0, **overrides)
     ours = swin.create_model(name, attention=attention, drop_path_rate=0.0, **overrides)
+    skip_if_timm_floors_odd_stages(ref, ours)
     ours.load_state_dict(ref.state_dict(), strict=True)
     return ours, ref
 
@@ -148,15 +159,16 @@ def _saved_bytes(model: torch.nn.Module, x: torch.Tensor, probe: torch.Tensor) -
 
 def test_recomputed_mlp_activation_keeps_less_and_matches_timm():
     """recompute_mlp_act (the default) keeps fc1's output only: less memory, the same gradients as timm."""
-    ref = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=112, drop_path_rate=0.0)
-    kept = swin.create_model("swin_tiny_patch4_window7_224", attention="sdpa", img_size=112, drop_path_rate=0.0,
+    # 128: even feature maps at every stage, so every timm version builds the same model
+    ref = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=128, drop_path_rate=0.0)
+    kept = swin.create_model("swin_tiny_patch4_window7_224", attention="sdpa", img_size=128, drop_path_rate=0.0,
                              recompute_mlp_act=False)
-    recomputed = swin.create_model("swin_tiny_patch4_window7_224", attention="sdpa", img_size=112,
+    recomputed = swin.create_model("swin_tiny_patch4_window7_224", attention="sdpa", img_size=128,
                                    drop_path_rate=0.0)
     assert all(b.recompute_mlp_act for s in recomputed.layers for b in s.blocks)
     for m in (kept, recomputed):
         m.load_state_dict(ref.state_dict())
-    x, probe = torch.randn(2, 3, 112, 112), torch.randn(2, 1000)
+    x, probe = torch.randn(2, 3, 128, 128), torch.randn(2, 1000)
     bytes_kept, bytes_recomputed = _saved_bytes(kept, x, probe), _saved_bytes(recomputed, x, probe)
     (ref(x) * probe).sum().backward()
     # per block, GELU's output (4C per token) is no longer kept: at this size about a quarter of all saved memory

@@ -177,3 +177,11 @@ def test_imagenet_recipe_on_an_image_folder(tmp_path):
                               "train.mixup=0.8", "train.cutmix=1.0", "train.lr=2e-3")
     assert summary["epochs"] == 3 and summary["nonfinite_steps"] == 0
     assert summary["history"][-1]["train_loss"] < summary["history"][0]["train_loss"]
+
+
+def test_compile_mode_is_checked_before_training():
+    from swin.engine import ConfigError, check_config
+    cfg = make_cfg("train.compile=true", "train.compile_mode=fastest")
+    with pytest.raises(ConfigError, match="train.compile_mode='fastest': use one of default, reduce-overhead"):
+        check_config(cfg, 1, torch.device("cpu"))
+    check_config(make_cfg("train.compile=true", "train.compile_mode=reduce-overhead"), 1, torch.device("cpu"))
