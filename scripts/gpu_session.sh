@@ -2,8 +2,8 @@
 # One device call per stage (each fits the device tool's 10-minute limit); results go to $OUT.
 #   bash scripts/gpu_session.sh tests     # GPU tests of the kernels and the compiled model (bf16 included)
 #   bash scripts/gpu_session.sh kernel    # launch sweep (SWIN_FW_* knobs), then the attention benchmark
-#   bash scripts/gpu_session.sh e2e       # Swin-T end to end: default grid with profiling, then CUDA graphs
-#   bash scripts/gpu_session.sh e2e-base  # Swin-B 224 and Swin-B 384 end to end
+#   bash scripts/gpu_session.sh e2e       # Swin-T end to end: grid=compiled (CUDA graphs and default mode) with the breakdown
+#   E2E_MODEL=384 bash scripts/gpu_session.sh e2e-base  # Swin-B 384 (or 224) end to end, grid=best
 #   bash scripts/gpu_session.sh loop      # train.py against its own model step: compiled model step (benchmark),
 #                                         # train.py on synthetic data compiled and eager, and the ImageNet recipe on
 #                                         # a generated JPEG folder (~7 min on an H100); table in $OUT/loop.md
@@ -34,12 +34,19 @@ case "${1:-}" in
     python scripts/tune_flash_window.py 2>&1 | tee "$OUT/tune.txt"
     python scripts/bench_attention.py --preset all --dtype bf16 fp32 --json "$OUT/bench_attention.json" ;;
   e2e)
-    python scripts/benchmark.py out_dir="$OUT/swin_t" time_budget_s=300 profile.enabled=true
-    python scripts/benchmark.py grid=cudagraphs out_dir="$OUT/swin_t_cudagraphs" time_budget_s=200 ;;
+    # compiled rows, CUDA graphs and default mode for both sides, with the per-category GPU time breakdown
+    python scripts/benchmark.py grid=compiled profile.enabled=true profile.top_kernels=25 out_dir="$OUT/swin_t" \
+      time_budget_s=${E2E_BUDGET_S:-430} ;;
   e2e-base)
-    python scripts/benchmark.py model=swin_base_patch4_window7_224 out_dir="$OUT/swin_b224" time_budget_s=240
-    python scripts/benchmark.py model=swin_base_patch4_window12_384 grid.batch_size=[64] \
-      out_dir="$OUT/swin_b384" time_budget_s=240 ;;
+    # one model per call (E2E_MODEL=224 or 384; both when unset, about 12 minutes: two device calls)
+    if [ "${E2E_MODEL:-384}" = 384 ]; then
+      python scripts/benchmark.py grid=best model=swin_base_patch4_window12_384 grid.batch_size=[64] \
+        profile.enabled=true out_dir="$OUT/swin_b384" time_budget_s=${E2E_BUDGET_S:-330}
+    fi
+    if [ "${E2E_MODEL:-224}" = 224 ]; then
+      python scripts/benchmark.py grid=best model=swin_base_patch4_window7_224 profile.enabled=true \
+        out_dir="$OUT/swin_b224" time_budget_s=${E2E_BUDGET_S:-330}
+    fi ;;
   loop)
     # run dirs (with their ~0.4 GB checkpoints) stay in /tmp; summary.json and train.log are copied to $OUT
     R=/tmp/loop; rm -rf "$R"; mkdir -p "$R"

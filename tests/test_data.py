@@ -129,7 +129,7 @@ def test_data_wait_fraction_shows_a_slow_loader(tmp_path, monkeypatch):
     real_getitem = TensorImageDataset.__getitem__
 
     def slow_getitem(self, i):
-        time.sleep(0.004)  # 32 images: ~130 ms per batch, several times the model's step on the CPU
+        time.sleep(0.01)  # 32 images: ~320 ms per batch, several times the model's step even on a busy CPU
         return real_getitem(self, i)
 
     monkeypatch.setattr(TensorImageDataset, "__getitem__", slow_getitem)

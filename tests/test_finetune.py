@@ -63,20 +63,27 @@ def test_pretrained_beats_scratch(tmp_path):
     # the same short schedule for both: few labelled images of the 4 new classes, the fine-tune experiment
     # with a larger lr than the ImageNet recipe (its 2e-5 is for a long schedule on many images)
     schedule = ["experiment=finetune", "data.classes=[6,7,8,9]", "data.train_limit=100", "train.epochs=8",
-                "train.warmup_epochs=1", "train.lr=1e-3", "train.lr_base_size=null", "train.batch_size=20",
-                *pinned, f"seed={seed + 1}"]
+                "train.warmup_epochs=1", "train.lr=1e-3", "train.lr_base_size=null", "train.batch_size=20", *pinned]
     best = tmp_path / "pre" / "checkpoints" / "best.pt"
-    fine = _train(tmp_path, "fine", *schedule, f"model.pretrained={best}")
-    scratch = _train(tmp_path, "scratch", *schedule, "train.require_pretrained=false")  # same recipe, no weights
-    print(f"pretrain top1 {pre['best_top1']:.1f}; fine-tuned {fine['final_top1']:.1f} vs scratch "
-          f"{scratch['final_top1']:.1f} (seed {seed})")
-    assert fine["final_top1"] > scratch["final_top1"] + 5, (fine, scratch)
+    # 40 updates on 100 images are noisy (one pair of runs differed by -3 to +31 points over seeds): compare the
+    # means of three seeds, each seed shared by the fine-tuned run and its from-scratch twin
+    fine, scratch = [], []
+    for k in range(1, 4):
+        fine.append(_train(tmp_path, f"fine{k}", *schedule, f"seed={seed + k}", f"model.pretrained={best}"))
+        scratch.append(_train(tmp_path, f"scratch{k}", *schedule, f"seed={seed + k}",
+                              "train.require_pretrained=false"))  # same recipe, no weights
+    fine_top1 = sum(r["final_top1"] for r in fine) / 3
+    scratch_top1 = sum(r["final_top1"] for r in scratch) / 3
+    print(f"pretrain top1 {pre['best_top1']:.1f}; fine-tuned {fine_top1:.1f} vs scratch {scratch_top1:.1f} "
+          f"(mean of 3 seeds from {seed + 1})")
+    assert fine_top1 > scratch_top1 + 5, ([r["final_top1"] for r in fine], [r["final_top1"] for r in scratch])
+    fine = fine[0]
 
     # the fine-tuned checkpoint, evaluated by eval.py with the run's own model and data config,
     # reproduces the accuracy train.py measured; its head has 4 classes (re-initialised from 6)
     from swin.checkpoint import read_checkpoint
     assert read_checkpoint(best).state_dict["head.fc.weight"].shape[0] == 6
-    ft_best = tmp_path / "fine" / "checkpoints" / "best.pt"
+    ft_best = tmp_path / "fine1" / "checkpoints" / "best.pt"
     assert read_checkpoint(ft_best).state_dict["head.fc.weight"].shape[0] == 4
     r = subprocess.run([sys.executable, str(ROOT / "eval.py"), f"checkpoint={ft_best}", "progress=false",
                         f"output={tmp_path / 'eval.json'}", f"hydra.run.dir={tmp_path / 'eval'}"],
