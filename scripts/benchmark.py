@@ -281,10 +281,8 @@ def attention_time_us(prof: torch.profiler.profile, device: torch.device) -> dic
     events = prof.events()
     attn = total = linked = 0.0
     if device.type == "cuda":
-        for e in events:
-            if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
-                continue
-            duration = e.time_range.end - e.time_range.start
+        for e in device_kernels(events):
+            duration = _duration_us(e)
             total += duration
             if _is_attention_kernel(e.name):
                 attn += duration

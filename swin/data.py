@@ -387,11 +387,16 @@ def build_eval_loader(val: Dataset, cfg: Any, device: torch.device, rank: int, w
     norm = _Normalize(device, mean, std)
     if isinstance(val, SyntheticDataset):
         return SyntheticLoader(val, batch_size, device, norm, rank, world_size, seed=0, train=False)
-    workers = cfg.get("num_workers", 0)
     loader = DataLoader(val, batch_size=batch_size, sampler=ShardSampler(len(val), rank, world_size),
-                        num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
-                        persistent_workers=workers > 0)
+                        **_worker_settings(cfg, device))
     return DeviceLoader(loader, device, norm)
+
+
+def _worker_settings(cfg: Any, device: torch.device) -> dict[str, Any]:
+    """DataLoader settings shared by the training and evaluation loaders of folder datasets."""
+    workers = cfg.get("num_workers", 0)
+    return dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
+                persistent_workers=workers > 0)
 
 
 def build_loaders(ds: Datasets, cfg: Any, device: torch.device, rank: int, world_size: int, micro_batch: int,
@@ -403,9 +408,7 @@ def build_loaders(ds: Datasets, cfg: Any, device: torch.device, rank: int, world
     train_norm = _Normalize(device, ds.mean, ds.std, ds.re_prob, ds.re_mode, ds.re_count)
     if isinstance(ds.train, SyntheticDataset):
         return SyntheticLoader(ds.train, micro_batch, device, train_norm, rank, world_size, seed, train=True), val
-    workers = cfg.get("num_workers", 0)
     sampler = ResumableDistributedSampler(ds.train, world_size, rank, shuffle=True, seed=seed)
-    train = DataLoader(ds.train, batch_size=micro_batch, sampler=sampler, drop_last=True, num_workers=workers,
-                       pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
-                       persistent_workers=workers > 0)
+    train = DataLoader(ds.train, batch_size=micro_batch, sampler=sampler, drop_last=True,
+                       **_worker_settings(cfg, device))
     return DeviceLoader(train, device, train_norm, sampler), val

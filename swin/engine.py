@@ -316,8 +316,6 @@ def _build_model(cfg: DictConfig, dist: DistInfo, num_classes: int) -> nn.Module
     model.set_grad_checkpointing(cfg.train.grad_checkpointing)
     model.to(dist.device)
     seed_everything(cfg.seed + dist.rank)
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, attention {model.attention}")
     return model
 
 
@@ -342,6 +340,8 @@ def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
         raise ConfigError(f"model.num_classes={num_classes} but the data has {data.num_classes} classes; "
                           "set model.num_classes=null to follow the data")
     raw_model = _build_model(cfg, dist, num_classes)
+    n_params = sum(p.numel() for p in raw_model.parameters())
+    log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, attention {raw_model.attention}")
     optimizer, scheduler = _build_optimizer(cfg, raw_model, device, steps_per_epoch)
     criterion, mixup = _build_criterion(t, num_classes)
     amp = t.amp if t.amp != "auto" else ("bf16" if device.type == "cuda" else "fp32")
@@ -363,7 +363,7 @@ def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
         criterion=criterion, mixup=mixup, amp=amp,
         autocast=torch.autocast(device.type, dtype=AMP_DTYPES[amp], enabled=amp != "fp32"),
         train_loader=train_loader, val_loader=val_loader, steps_per_epoch=steps_per_epoch,
-        n_params=sum(p.numel() for p in raw_model.parameters()), num_classes=num_classes, stats=StepStats(device),
+        n_params=n_params, num_classes=num_classes, stats=StepStats(device),
         skip_on_device=skip_on_device)
 
 
