@@ -56,9 +56,9 @@ from dataclasses import asdict, dataclass  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 
-from swin.windows import WindowSpec, relative_position_index, shifted_window_mask  # noqa: E402
+from swin.windows import WindowSpec, mask_classes, relative_position_index, shifted_window_mask  # noqa: E402
 
-BACKEND_NAMES = ("standard", "sdpa", "flash_window")
+BACKEND_NAMES = ("standard", "sdpa", "flash_window", "paper")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # max|x - ref| / max|ref| above this flags a row as wrong (several times the dtype's rounding of O(1) values)
 ERROR_TOL = {"bfloat16": 5e-2, "float16": 5e-3, "float32": 1e-4}
@@ -101,14 +101,27 @@ class Shape:
                 f"{'shifted + mask' if self.shifted else 'unshifted'}")
 
 
+def _stages(prefix: str, batch: int, feat: int, window: int, heads: int) -> dict[str, Shape]:
+    """The four stages of a Swin model: the feature map halves and the heads double at each stage; a stage
+    whose map is not larger than the window has one window and no shift (timm's rule)."""
+    shapes = {}
+    for i in range(4):
+        f, h = feat >> i, heads << i
+        shapes[f"{prefix}_stage{i + 1}"] = Shape(f"{prefix}_stage{i + 1}", batch, f, min(window, f), h, 32, f > window)
+    return shapes
+
+
+# every stage of Swin-T / Swin-B at 224 (batch 128) and Swin-B at 384 (batch 64, as scripts/benchmark.py runs it)
+STAGES: dict[str, Shape] = {**_stages("swin_t", 128, 56, 7, 3), **_stages("swin_b", 128, 56, 7, 4),
+                            **_stages("swin_b384", 64, 96, 12, 4)}
 PRESETS: dict[str, Shape] = {
-    # Swin-T stage 1 at 224: 56x56 tokens, window 7, 3 heads of 32 -> 8192 windows for 128 images
-    "swin_t_stage1": Shape("swin_t_stage1", 128, 56, 7, 3, 32),
-    # Swin-B at 384 stage 1: 96x96 tokens, window 12, 4 heads of 32 -> 8192 windows of L=144
-    "swin_b384_stage1": Shape("swin_b384_stage1", 128, 96, 12, 4, 32),
+    **STAGES,
+    # Swin-B at 384 stage 1 with 128 images: 8192 windows of L=144 (the shape of the earlier tables)
+    "swin_b384_b128_stage1": Shape("swin_b384_b128_stage1", 128, 96, 12, 4, 32),
     # CPU smoke test (Triton interpreter): 2 images of 14x14 tokens, window 7
     "tiny": Shape("tiny", 2, 14, 7, 2, 16),
 }
+PRESET_GROUPS = {"all": ["swin_t_stage1", "swin_b384_stage1"], "stages": list(STAGES)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,13 +169,41 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
 
 
 def flash_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, p: Problem) -> torch.Tensor:
+    """Our kernel as the model calls it: dense (heads, L, L) bias gathered from the table, the four mask classes."""
     from kernels.flash_window import flash_window_attention
-    s = p.shape
-    w = (s.window, s.window)
-    return flash_window_attention(q, k, v, table, w, p.shape.spec.shift_size, s.grid, p.scale)
+    return flash_window_attention(q, k, v, gather_bias(table, p)[0], mask_classes(p.mask, p.shape.spec),
+                                  p.shape.grid, p.scale)
 
 
-BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"standard": standard, "sdpa": sdpa, "flash_window": flash_window}
+def _paper_kernel():
+    """The Flash Window Attention paper's public kernel (github.com/zzd1992/FlashWindowAttention), if importable:
+    from FWA_PAPER_PATH (a checkout's directory) or installed. It has no shifted-window mask."""
+    path = os.environ.get("FWA_PAPER_PATH")
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
+    try:
+        from flash_swin_attn.func_flash_swin import FlashSwinFunc
+    except ImportError:
+        return None
+    return FlashSwinFunc
+
+
+def paper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, p: Problem) -> torch.Tensor:
+    """The paper's kernel: window-layout q/k/v, dense (heads, L, L) bias, no mask (unshifted shapes only)."""
+    func = _paper_kernel()
+    if func is None:
+        raise RuntimeError("the paper's kernel is not importable (set FWA_PAPER_PATH to a checkout)")
+    if p.mask is not None:
+        raise RuntimeError("the paper's kernel has no shifted-window mask")
+    if q.shape[-1] % 16:
+        raise RuntimeError("the paper's kernel needs head_dim divisible by 16")
+    bias = gather_bias(table, p)[0].contiguous()
+    with torch.autocast(q.device.type, enabled=False):  # it takes q, k, v of one dtype and a float bias
+        return func.apply(q, k, v, bias, p.scale)
+
+
+BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"standard": standard, "sdpa": sdpa, "flash_window": flash_window,
+                                                    "paper": paper}
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, shape: Shape,
@@ -360,6 +401,33 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary_table(rows: list[dict]) -> str:
+    """One line per stage shape and dtype: our forward unshifted / shifted, forward+backward against SDPA's
+    (the same shift) and the paper kernel's forward (unshifted; it has no mask)."""
+    ms = {(r["shape"], r["dtype"], r["backend"]): r for r in rows if "error" not in r}
+    head = ("| shape | dtype | ours fwd noshift | ours fwd shifted | shift cost | paper fwd | ours / paper fwd "
+            "| ours fwd+bwd | sdpa fwd+bwd | ours / sdpa fwd+bwd |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        if r["backend"] != "flash_window" or r["shape"].endswith(" noshift") or "error" in r:
+            continue
+        name, dtype = r["shape"], r["dtype"]
+        plain = ms.get((name + " noshift", dtype, "flash_window"), r if not r["shape_info"]["shifted"] else None)
+        paper_row = ms.get((name + " noshift", dtype, "paper")) or ms.get((name, dtype, "paper"))
+        sdpa_row = ms.get((name, dtype, "sdpa"))
+
+        def t(row: dict | None, key: str) -> str:
+            return "-" if row is None else f"{row[key]:.3f}"
+
+        def ratio(a: dict | None, b: dict | None, key: str) -> str:
+            return "-" if a is None or b is None else f"{a[key] / b[key]:.2f}"
+        shift_cost = "-" if plain is None or plain is r else f"{100 * (r['ms_fwd'] / plain['ms_fwd'] - 1):+.0f}%"
+        lines.append(f"| {name} | {dtype} | {t(plain, 'ms_fwd')} | {t(r, 'ms_fwd') if plain is not r else '-'} "
+                     f"| {shift_cost} | {t(paper_row, 'ms_fwd')} | {ratio(plain, paper_row, 'ms_fwd')} "
+                     f"| {t(r, 'ms_fwd_bwd')} | {t(sdpa_row, 'ms_fwd_bwd')} | {ratio(r, sdpa_row, 'ms_fwd_bwd')} |")
+    return "\n".join(lines)
+
+
 def environment(device: torch.device) -> dict:
     import triton
     env = dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
@@ -375,8 +443,9 @@ def environment(device: torch.device) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=[*PRESETS, "all"], default=None,
-                    help="shape preset; 'all' = swin_t_stage1 + swin_b384_stage1 "
+    ap.add_argument("--preset", choices=[*PRESETS, *PRESET_GROUPS], default=None,
+                    help="shape preset; 'all' = swin_t_stage1 + swin_b384_stage1, 'stages' = every stage of Swin-T, "
+                         "Swin-B 224 and Swin-B 384, shifted and unshifted "
                          "(default: swin_t_stage1 on CUDA, tiny on the CPU)")
     ap.add_argument("--batch", type=int, help="images (overrides the preset)")
     ap.add_argument("--feat", type=int, help="feature map side in tokens (overrides the preset)")
@@ -384,6 +453,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, help="heads (overrides the preset)")
     ap.add_argument("--head-dim", type=int, help="head dim (overrides the preset)")
     ap.add_argument("--no-shift", action="store_true", help="unshifted block (no mask)")
+    ap.add_argument("--both-shifts", action="store_true",
+                    help="each shifted shape also unshifted (default with --preset stages)")
     ap.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=None,
                     help="one or more of bf16 fp16 fp32 (default: bf16 on CUDA, fp32 on the CPU)")
     ap.add_argument("--backends", nargs="+", choices=BACKEND_NAMES, default=list(BACKEND_NAMES))
@@ -399,13 +470,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def resolve_shapes(args: argparse.Namespace, device: torch.device) -> list[Shape]:
     preset = args.preset or ("swin_t_stage1" if device.type == "cuda" else "tiny")
-    shapes = [PRESETS["swin_t_stage1"], PRESETS["swin_b384_stage1"]] if preset == "all" else [PRESETS[preset]]
+    shapes = [PRESETS[name] for name in PRESET_GROUPS.get(preset, [preset])]
     overrides = {k: getattr(args, k) for k in ("batch", "feat", "window", "heads", "head_dim")
                  if getattr(args, k) is not None}
     if args.no_shift:
         overrides["shifted"] = False
     if overrides:
         shapes = [Shape(**{**asdict(s), **overrides, "name": s.name + "*"}) for s in shapes]
+    if args.both_shifts or (preset == "stages" and not args.no_shift):
+        shapes = [t for s in shapes for t in ([s, Shape(**{**asdict(s), "shifted": False, "name": s.name + " noshift"})]
+                                              if s.shifted else [s])]
     return shapes
 
 
@@ -435,6 +509,8 @@ def main(argv: list[str] | None = None) -> dict:
             dtype = DTYPES[dname]
             inputs = make_inputs(shape, dtype, device, args.seed)
             for name in backends:
+                if name == "paper" and (shape.shifted or _paper_kernel() is None):
+                    continue  # no mask in the paper's kernel; absent unless FWA_PAPER_PATH points to it
                 row = bench_backend(name, shape, dtype, device, inputs, not args.no_autocast, copy_gbs, warmup, reps)
                 row["shape_info"] = {**asdict(shape), "num_windows": shape.num_windows,
                                      "total_windows": shape.batch * shape.num_windows, "L": shape.length}
@@ -446,8 +522,11 @@ def main(argv: list[str] | None = None) -> dict:
             if cuda:
                 torch.cuda.empty_cache()
     table = markdown_table(rows)
+    summary = summary_table(rows)
     print()
     print(table)
+    print()
+    print(summary)
     suspect = [r for r in rows if "errors" in r and max(r["errors"].values()) > ERROR_TOL[r["dtype"]]]
     for r in suspect:
         print(f"WARNING: {r['backend']} on {r['shape']} {r['dtype']}: error {max(r['errors'].values()):.1e} "
@@ -459,8 +538,8 @@ def main(argv: list[str] | None = None) -> dict:
           "err: max|x - ref| / max|ref| vs float64 (grads: worst of dq, dk, dv, dbias_table)")
     result = dict(env=env, copy_gbs=copy_gbs, args={k: (str(v) if isinstance(v, Path) else v)
                                                      for k, v in vars(args).items()},
-                  warmup=warmup, reps=reps, rows=rows, table=table, suspect=[(r["backend"], r["shape"], r["dtype"])
-                                                                             for r in suspect],
+                  warmup=warmup, reps=reps, rows=rows, table=table, summary=summary,
+                  suspect=[(r["backend"], r["shape"], r["dtype"]) for r in suspect],
                   time=time.strftime("%Y-%m-%d %H:%M:%S"))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

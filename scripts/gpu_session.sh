@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call per stage (each fits the device tool's 10-minute limit); results go to $OUT.
 #   bash scripts/gpu_session.sh tests     # GPU tests of the kernels and the compiled model (bf16 included)
-#   bash scripts/gpu_session.sh kernel    # launch sweep (SWIN_FW_* knobs), then the attention benchmark
+#   bash scripts/gpu_session.sh kernel    # launch sweep (SWIN_FW_* knobs), then the attention benchmark of every
+#                                         # stage shape (KERNEL_DTYPES="bf16 fp32"; the paper's kernel from .paper/)
 #   bash scripts/gpu_session.sh e2e       # Swin-T end to end: grid=compiled (CUDA graphs and default mode) with the breakdown
 #   E2E_MODEL=384 bash scripts/gpu_session.sh e2e-base  # Swin-B 384 (or 224) end to end, grid=best
 #   bash scripts/gpu_session.sh loop      # train.py against its own model step: compiled model step (benchmark),
@@ -31,8 +32,11 @@ case "${1:-}" in
     # the training step never syncs (CUDA sync debug mode), the side-stream loader keeps batches intact
     python -m pytest -q -m gpu tests/test_train_guard.py tests/test_data.py 2>&1 | tee "$OUT/gpu_loop_tests.txt" ;;
   kernel)
-    python scripts/tune_flash_window.py 2>&1 | tee "$OUT/tune.txt"
-    python scripts/bench_attention.py --preset all --dtype bf16 fp32 --json "$OUT/bench_attention.json" ;;
+    # the paper's kernel (github.com/zzd1992/FlashWindowAttention) is a row where it is carried in .paper/
+    export FWA_PAPER_PATH=$PWD/.paper
+    python scripts/tune_flash_window.py --shapes swin_t_stage1 swin_t_stage2 swin_b384_stage1 2>&1 | tee "$OUT/tune.txt"
+    python scripts/bench_attention.py --preset stages --dtype ${KERNEL_DTYPES:-bf16} --backends sdpa flash_window paper \
+      --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.txt" ;;
   e2e)
     # compiled rows, CUDA graphs and default mode for both sides, with the per-category GPU time breakdown
     python scripts/benchmark.py grid=compiled profile.enabled=true profile.top_kernels=25 out_dir="$OUT/swin_t" \

@@ -34,7 +34,7 @@ from kernels.flash_window_triton import window_attn_bwd_kernel, window_attn_fwd_
 
 HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
 DTYPES = {"bf16": ("*bf16", 2), "fp16": ("*fp16", 2), "fp32": ("*fp32", 4)}
-FP32_POINTERS = {"table_ptr", "fill_ptr", "dbias_ptr", "dfill_ptr"}
+FP32_POINTERS = {"bias_ptr", "dbias_ptr", "dfill_ptr"}
 
 
 def _signature(fn, constants: dict, data_ptr: str) -> dict[str, str]:

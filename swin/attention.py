@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .windows import WindowSpec, merge_unpad_unshift, shift_pad_partition
+from .windows import WindowSpec, mask_classes, merge_unpad_unshift, shift_pad_partition
 
 
 class WindowAttentionArgs(NamedTuple):
@@ -94,7 +94,10 @@ def sdpa_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor
 def flash_window_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor:
     """The Triton flash window attention kernel (kernels/), shift and partition folded in."""
     from kernels.flash_window import flash_window_attention_image
-    return flash_window_attention_image(qkv, args.bias_table, args.qkv_bias, args.spec, args.scale, args.rel_index)
+    spec = args.spec
+    mask = mask_classes(args.attn_mask, spec)
+    return flash_window_attention_image(qkv, relative_position_bias(args), mask, args.qkv_bias, spec.window_size,
+                                        spec.shift_size, args.scale)
 
 
 _auto_warned: set[str] = set()
@@ -104,7 +107,7 @@ def auto_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor
     """flash_window on CUDA where the kernel supports the shape, else sdpa (warning once why)."""
     if qkv.is_cuda:
         from kernels.flash_window import unsupported_reason
-        reason = unsupported_reason(qkv, args.spec)
+        reason = unsupported_reason(qkv, args.spec.window_area, qkv.shape[-1])
         if reason is None:
             return flash_window_attention(qkv, args)
         if reason not in _auto_warned:

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import swin
 from kernels.flash_window import flash_window_attention, flash_window_attention_image
 from swin.attention import WindowAttentionArgs, standard_attention
-from swin.windows import WindowSpec, relative_position_index, shifted_window_mask
+from swin.windows import WindowSpec, mask_classes, relative_position_index, shifted_window_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -49,10 +49,27 @@ def make_inputs(batch, grid, window, heads, head_dim, dtype, device=DEVICE):
     return q, k, v, table
 
 
+def dense_bias(table, window):
+    """(heads, L, L) relative position bias gathered from the table (differentiable)."""
+    n = window[0] * window[1]
+    return table[relative_position_index(window, table.device).view(-1)].view(n, n, -1).permute(2, 0, 1)
+
+
+def window_mask(window, shift, grid, device=DEVICE):
+    """The kernel's (4, L, L) mask classes of a shifted block (None unshifted)."""
+    spec = WindowSpec((grid[0] * window[0], grid[1] * window[1]), window, shift)
+    return mask_classes(shifted_window_mask(spec, device), spec)
+
+
+def run_window_op(q, k, v, table, window, shift, grid, scale):
+    return flash_window_attention(q, k, v, dense_bias(table, window), window_mask(window, shift, grid, q.device),
+                                  grid, scale)
+
+
 def check_window_op(batch, grid, window, shift, heads, head_dim, dtype, device=DEVICE):
     q, k, v, table = make_inputs(batch, grid, window, heads, head_dim, dtype, device)
     scale = head_dim ** -0.5
-    out = flash_window_attention(q, k, v, table, window, shift, grid, scale)
+    out = run_window_op(q, k, v, table, window, shift, grid, scale)
     grad = torch.randn_like(out)
     out.backward(grad)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, table)]
@@ -83,17 +100,26 @@ def test_window_op_matches_float64(case):
     check_window_op(*case)
 
 
-@pytest.mark.parametrize("case", [
-    (1, (3, 3), (7, 7), (3, 3), 2, 48, torch.float16),  # 9 windows over the interpreter's 4 programs
-    (3, (1, 2), (4, 4), (2, 2), 1, 16, torch.float16),  # 6 windows: the last prefetch lies past the end
-], ids=["w7d48", "w4d16"])
-def test_window_op_forward_prefetch(case, monkeypatch):
-    """The forward's PREFETCH variant (SWIN_FW_PREFETCH=1, a tuning knob) gives the same numbers."""
-    monkeypatch.setenv("SWIN_FW_PREFETCH", "1")
-    check_window_op(*case)
-    if DEVICE == "cpu":
-        from kernels.flash_window import _launch_config
-        assert _launch_config(9, 2, 49, 48, torch.device(DEVICE))["PREFETCH"]
+@pytest.mark.parametrize("sets", ["0", "1", "3"])
+def test_window_op_programs_loop_over_windows(sets, monkeypatch):
+    """One program per window (0), one looping over all windows (1) and three sharing them: same numbers
+    (forward and backward; on the interpreter the knob is programs per head)."""
+    monkeypatch.setenv("SWIN_FW_PROGRAMS_PER_SM", sets)
+    monkeypatch.setenv("SWIN_FW_BWD_PROGRAMS_PER_SM", sets)
+    check_window_op(2, (2, 3), (4, 4), (2, 2), 2, 16, torch.float32)
+
+
+def test_mask_classes_stand_for_every_window():
+    """The kernel's four mask classes reproduce the shifted-window mask of every window of a grid."""
+    for feat, window, shift in [((28, 28), (7, 7), (3, 3)), ((10, 13), (4, 5), (2, 2)), ((4, 12), (4, 4), (0, 2)),
+                                ((7, 7), (7, 7), (3, 3)), ((24, 8), (4, 4), (2, 2))]:
+        spec = WindowSpec(feat, window, shift)
+        mask, classes = shifted_window_mask(spec), mask_classes(shifted_window_mask(spec), spec)
+        gh, gw = spec.grid_size
+        for w in range(gh * gw):
+            cls = 2 * (w // gw == gh - 1) + (w % gw == gw - 1)
+            assert torch.equal(mask[w], classes[cls]), (feat, window, shift, w)
+        assert (mask != 0).any()
 
 
 @pytest.mark.slow
@@ -115,7 +141,8 @@ def test_image_op_matches_partitioned_reference(feat, window, shifted, dtype):
     qkv_bias = (0.5 * torch.randn(3, heads, head_dim, device=DEVICE)).requires_grad_()
     table = (0.5 * torch.randn((2 * window[0] - 1) * (2 * window[1] - 1), heads, device=DEVICE)).requires_grad_()
     scale = head_dim ** -0.5
-    out = flash_window_attention_image(qkv, table, qkv_bias, spec, scale)
+    out = flash_window_attention_image(qkv, dense_bias(table, window), mask_classes(shifted_window_mask(spec), spec),
+                                       qkv_bias, window, shift, scale)
     grad = torch.randn_like(out)
     out.backward(grad)
     leaves = [t.detach().double().requires_grad_() for t in (qkv, table, qkv_bias)]
@@ -166,29 +193,39 @@ def test_model_flash_matches_standard(compiled):
 
 
 class _OpRecorder(TorchDispatchMode):
-    def __init__(self):
+    """Names of the ops run, and of those whose output has at least `min_numel` elements."""
+
+    def __init__(self, min_numel: int):
         super().__init__()
+        self.min_numel = min_numel
         self.ops: set[str] = set()
+        self.large: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.ops.add(name)
+        if any(isinstance(t, torch.Tensor) and t.numel() >= self.min_numel
+               for t in (out if isinstance(out, (tuple, list)) else [out])):
+            self.large.add(name)
+        return out
 
 
 @pytest.mark.parametrize("attention", ["flash_window", "standard"])
 def test_flash_block_moves_no_data_around_attention(attention):
     """Issue 4: in a shifted, padded block the flash path reads qkv and writes its output in image layout:
-    no roll, pad, partition permute or copy around attention, forward or backward. The standard
-    backend, recorded the same way, shows those ops (so the recorder sees them)."""
+    no roll, pad, partition permute or copy of activation-sized data around attention, forward or backward
+    (the (heads, L, L) bias gather is not activation-sized). The standard backend, recorded the same way,
+    shows those ops (so the recorder sees them)."""
     model = swin.create_model("swin_micro", attention=attention, img_size=(22, 26)).to(DEVICE)
     block = model.layers[0].blocks[1]
     assert any(block.shift_size)
     x = torch.randn(2, *block.feat_size, block.norm1.normalized_shape[0], device=DEVICE, requires_grad=True)
     assert block.spec_for(block.feat_size).padded
-    with _OpRecorder() as recorder:
+    with _OpRecorder(min_numel=x.numel()) as recorder:
         block(x).sum().backward()
     moves = {"roll", "constant_pad_nd", "pad", "clone", "copy_", "_to_copy", "permute", "cat", "index",
-             "_unsafe_view", "contiguous", "as_strided"} & recorder.ops
+             "_unsafe_view", "contiguous", "as_strided"} & recorder.large
     if attention == "flash_window":
         assert {"flash_window_attn_image", "flash_window_attn_image_bwd"} <= recorder.ops
         assert not moves, moves
@@ -220,13 +257,12 @@ _ACCESS_PROBE = textwrap.dedent("""
             return sorted(d.name for d in tkw.identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes)
         return sorted(tkw.identify_mutated_tensors(kernel, kwargs, {}))
     qkv = torch.randn(2, 9, 10, 3, 2, 16)
-    table, fill = torch.randn(169, 2), torch.randn(2, 2, 16)
-    index = fw.relative_position_index((7, 7))
-    fw._image_op(qkv, table, index, fill, [7, 7], [3, 3], 0.25)
-    fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, table, index, fill, [7, 7], [3, 3], 0.25)
+    bias, mask, fill = torch.randn(2, 49, 49), torch.randn(4, 49, 49), torch.randn(2, 2, 16)
+    fw._image_op(qkv, bias, mask, fill, [7, 7], [3, 3], 0.25)
+    fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, bias, mask, fill, [7, 7], [3, 3], 0.25)
     q = torch.randn(8, 2, 49, 16)
-    fw._window_op(q, q, q, table, [7, 7], [3, 3], [2, 2], 0.25)
-    fw._window_op_bwd(q, q, q, q, table, index, [7, 7], [3, 3], [2, 2], 0.25)
+    fw._window_op(q, q, q, bias, mask, [2, 2], 0.25)
+    fw._window_op_bwd(q, q, q, q, bias, mask, [2, 2], 0.25)
     json.dump([written(kernel, kwargs) for kernel, kwargs in launches], sys.stdout)
 """)
 
@@ -336,36 +372,40 @@ def test_gpu_compiled_block_moves_no_qkv_sized_data(attention):
 
 def test_opcheck():
     q, k, v, table = make_inputs(1, (2, 2), (4, 4), 2, 16, torch.float32)
-    args = (q.detach(), k.detach(), v.detach(), table.detach(), [4, 4], [2, 2], [2, 2], 0.25)
-    torch.library.opcheck(torch.ops.swin.flash_window_attn.default, args,
+    bias = dense_bias(table, (4, 4)).detach()
+    mask = window_mask((4, 4), (2, 2), (2, 2))
+    torch.library.opcheck(torch.ops.swin.flash_window_attn.default,
+                          (q.detach(), k.detach(), v.detach(), bias, mask, [2, 2], 0.25),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     spec = WindowSpec((6, 7), (4, 4), (2, 2))
     qkv = torch.randn(1, 6, 7, 3, 2, 16, device=DEVICE)
     fill = torch.randn(2, 2, 16, device=DEVICE)
-    rel_index = relative_position_index((4, 4), device=DEVICE)
-    torch.library.opcheck(torch.ops.swin.flash_window_attn_image.default,
-                          (qkv, table.detach(), rel_index, fill, [4, 4], [2, 2], 0.25),
+    mask = mask_classes(shifted_window_mask(spec, DEVICE), spec)
+    torch.library.opcheck(torch.ops.swin.flash_window_attn_image.default, (qkv, bias, mask, fill, [4, 4], [2, 2], 0.25),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     assert spec.padded
 
 
 def test_bad_inputs_raise_clear_errors():
     q, k, v, table = make_inputs(1, (1, 1), (4, 4), 2, 16, torch.float32)
-    with pytest.raises(ValueError, match="bias_table must be"):
-        flash_window_attention(q, k, v, table[:5], (4, 4))
+    bias = dense_bias(table, (4, 4))
+    with pytest.raises(ValueError, match=r"bias must be \(heads, L, L\) = \(2, 16, 16\)"):
+        flash_window_attention(q, k, v, bias[:1])
+    with pytest.raises(ValueError, match="mask must be None or the"):
+        flash_window_attention(q, k, v, bias, torch.zeros(2, 16, 16, device=DEVICE))
     with pytest.raises(ValueError, match="not a multiple"):
-        flash_window_attention(q, k, v, table, (4, 4), (2, 2), (1, 2))
+        flash_window_attention(q, k, v, bias, window_mask((4, 4), (2, 2), (1, 2)), (1, 2))
     with pytest.raises(ValueError, match="float16, bfloat16 and float32"):
-        flash_window_attention(q.double(), k.double(), v.double(), table, (4, 4))
+        flash_window_attention(q.double(), k.double(), v.double(), bias)
     big = torch.randn(1, 1, 17 * 17, 16, device=DEVICE)
     with pytest.raises(ValueError, match="at most 256 tokens"):
-        flash_window_attention(big, big, big, torch.randn(33 * 33, 1, device=DEVICE), (17, 17))
+        flash_window_attention(big, big, big, torch.randn(1, 289, 289, device=DEVICE))
     big_wide = torch.randn(1, 1, 144, 96, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim up to 64 for windows of more than 128 tokens"):
-        flash_window_attention(big_wide, big_wide, big_wide, torch.randn(23 * 23, 1, device=DEVICE), (12, 12))
+        flash_window_attention(big_wide, big_wide, big_wide, torch.randn(1, 144, 144, device=DEVICE))
     wide = torch.randn(1, 1, 16, 256, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim up to 128"):
-        flash_window_attention(wide, wide, wide, torch.randn(49, 1, device=DEVICE), (4, 4))
+        flash_window_attention(wide, wide, wide, torch.randn(1, 16, 16, device=DEVICE))
 
 
 def test_auto_falls_back_to_sdpa_with_one_warning(monkeypatch):
