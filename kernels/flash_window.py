@@ -112,7 +112,8 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     default_warps = 8 if (block_n >= 256 and backward) else 4
     return dict(sets=sets, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                 NUM_M=num_m, num_warps=_tuning("BWD_WARPS" if backward else "WARPS", default_warps),
-                STAGES=_tuning("BWD_STAGES" if backward else "STAGES", 1))
+                STAGES=_tuning("BWD_STAGES" if backward else "STAGES", 1),
+                HEAD_MINOR=_tuning("BWD_HEAD_MINOR" if backward else "HEAD_MINOR", 1))
 
 
 def kernel_constants(cfg: dict, window: tuple[int, int], masked: bool, has_fill: bool, dtype: torch.dtype) -> dict:

@@ -49,6 +49,17 @@ def _tokens(g, offs, L, H, W, WH: tl.constexpr, WW: tl.constexpr, AGH, AGW, ASH,
 
 
 @triton.jit
+def _program(NH, HEAD_MINOR: tl.constexpr):
+    """(head, first window, window stride) of this program. HEAD_MINOR: neighbouring programs take the heads of
+    one window (neighbouring bytes of its tokens); else the windows of one head."""
+    pid = tl.program_id(0)
+    nsets = tl.num_programs(0) // NH
+    if HEAD_MINOR:
+        return pid % NH, pid // NH, nsets
+    return pid // nsets, pid % nsets, nsets
+
+
+@triton.jit
 def _mask_class(g, MGH, MGW):
     """0: interior window, 1: last column, 2: last row, 3: both (of the window grid of its image)."""
     w = g % (MGH * MGW)
@@ -57,9 +68,10 @@ def _mask_class(g, MGH, MGW):
 
 
 @triton.jit
-def _offsets(b, sy, sx, s_b, s_y, s_x, h, s_h, offs_d):
-    """(tokens, BLOCK_D) element offsets of head h in a (B, H, W, heads, head_dim) view."""
-    return (b * s_b + sy * s_y + sx * s_x)[:, None] + h * s_h + offs_d[None, :]
+def _offsets(sy, sx, s_y, s_x, h, s_h, offs_d):
+    """(tokens, BLOCK_D) element offsets of head h within one image of a (B, H, W, heads, head_dim) view (int32:
+    the image's base is added to the pointer as a scalar)."""
+    return (sy * s_y + sx * s_x)[:, None] + h * s_h + offs_d[None, :]
 
 
 @triton.jit
@@ -102,12 +114,9 @@ def window_attn_fwd_kernel(
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
     MASKED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    HEAD_MINOR: tl.constexpr,
 ):
-    # program = (window set, head), heads fastest: neighbouring programs read neighbouring bytes of a token
-    pid = tl.program_id(0)
-    h = pid % NH
-    first = pid // NH
-    nsets = tl.num_programs(0) // NH
+    h, first, nsets = _program(NH, HEAD_MINOR)
     scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
     k_ptr += s_t  # q, k, v of one tensor: s_t apart (separate tensors: s_t = 0)
     v_ptr += 2 * s_t
@@ -118,10 +127,14 @@ def window_attn_fwd_kernel(
     for g in tl.range(first, G, nsets, num_stages=STAGES):
         cls = _mask_class(g, MGH, MGW) if MASKED else 0
         b, sy_n, sx_n, inwin_n, real_n = _tokens(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
-        kv_offs = _offsets(b, sy_n, sx_n, sq_b, sq_y, sq_x, h, sq_h, offs_d)
+        q_img = q_ptr + b * sq_b  # the window's image: 64-bit scalar bases, 32-bit offsets within the image
+        k_img = k_ptr + b * sq_b
+        v_img = v_ptr + b * sq_b
+        o_img = o_ptr + b * so_b
+        kv_offs = _offsets(sy_n, sx_n, sq_y, sq_x, h, sq_h, offs_d)
         kv_mask = _io_mask(real_n, offs_d, HD)
-        k = _load_tokens(k_ptr, kv_offs, kv_mask, real_n, inwin_n, fill_ptr, offs_d, HD, HAS_FILL)
-        v = _load_tokens(v_ptr, kv_offs, kv_mask, real_n, inwin_n, fill_ptr + NH * HD, offs_d, HD, HAS_FILL)
+        k = _load_tokens(k_img, kv_offs, kv_mask, real_n, inwin_n, fill_ptr, offs_d, HD, HAS_FILL)
+        v = _load_tokens(v_img, kv_offs, kv_mask, real_n, inwin_n, fill_ptr + NH * HD, offs_d, HD, HAS_FILL)
         for mb in range(NUM_M):
             if NUM_M == 1:
                 offs_m, sy, sx, real_m, io_m = offs_n, sy_n, sx_n, real_n, kv_mask
@@ -129,11 +142,10 @@ def window_attn_fwd_kernel(
                 offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
                 _b, sy, sx, _inwin, real_m = _tokens(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
                 io_m = _io_mask(real_m, offs_d, HD)
-            q = tl.load(q_ptr + _offsets(b, sy, sx, sq_b, sq_y, sq_x, h, sq_h, offs_d), mask=io_m, other=0.0)
+            q = tl.load(q_img + _offsets(sy, sx, sq_y, sq_x, h, sq_h, offs_d), mask=io_m, other=0.0)
             p = _softmax(q, k, _bias_tile(bias_ptr, cls, h, NH, offs_m, offs_n, ROWS, BLOCK_N), scale, PRECISION)
             o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            tl.store(o_ptr + _offsets(b, sy, sx, so_b, so_y, so_x, h, so_h, offs_d), o.to(o_ptr.dtype.element_ty),
-                     mask=io_m)
+            tl.store(o_img + _offsets(sy, sx, so_y, so_x, h, so_h, offs_d), o.to(o_ptr.dtype.element_ty), mask=io_m)
 
 
 @triton.jit
@@ -146,11 +158,9 @@ def window_attn_bwd_kernel(
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
     MASKED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    HEAD_MINOR: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    h = pid % NH
-    first = pid // NH
-    nsets = tl.num_programs(0) // NH
+    h, first, nsets = _program(NH, HEAD_MINOR)
     scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
     k_ptr += s_t  # q, k, v of one tensor: s_t apart (separate tensors: s_t = 0)
     v_ptr += 2 * s_t
@@ -164,7 +174,7 @@ def window_attn_bwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     ROWS: tl.constexpr = NUM_M * BLOCK_M
     # this program's (rows, BLOCK_N) slice of the bias-gradient buffer
-    dbias_base = dbias_ptr + pid.to(tl.int64) * (ROWS * BLOCK_N)
+    dbias_base = dbias_ptr + (first * NH + h).to(tl.int64) * (ROWS * BLOCK_N)
     if NUM_M == 1:
         dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dfill_k = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -172,10 +182,15 @@ def window_attn_bwd_kernel(
     for g in tl.range(first, G, nsets, num_stages=STAGES):
         cls = _mask_class(g, MGH, MGW) if MASKED else 0
         b, sy_n, sx_n, inwin_n, real_n = _tokens(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
-        kv_offs = _offsets(b, sy_n, sx_n, sq_b, sq_y, sq_x, h, sq_h, offs_d)
+        q_img = q_ptr + b * sq_b  # the window's image: 64-bit scalar bases, 32-bit offsets within the image
+        k_img = k_ptr + b * sq_b
+        v_img = v_ptr + b * sq_b
+        do_img = do_ptr + b * sdo_b
+        dq_img = dq_ptr + b * sdq_b
+        kv_offs = _offsets(sy_n, sx_n, sq_y, sq_x, h, sq_h, offs_d)
         kv_mask = _io_mask(real_n, offs_d, HD)
-        k = _load_tokens(k_ptr, kv_offs, kv_mask, real_n, inwin_n, fill_ptr, offs_d, HD, HAS_FILL)
-        v = _load_tokens(v_ptr, kv_offs, kv_mask, real_n, inwin_n, fill_ptr + NH * HD, offs_d, HD, HAS_FILL)
+        k = _load_tokens(k_img, kv_offs, kv_mask, real_n, inwin_n, fill_ptr, offs_d, HD, HAS_FILL)
+        v = _load_tokens(v_img, kv_offs, kv_mask, real_n, inwin_n, fill_ptr + NH * HD, offs_d, HD, HAS_FILL)
         dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         for mb in range(NUM_M):
@@ -185,15 +200,15 @@ def window_attn_bwd_kernel(
                 offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
                 _b, sy, sx, _inwin, real_m = _tokens(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
                 io_m = _io_mask(real_m, offs_d, HD)
-            q = tl.load(q_ptr + _offsets(b, sy, sx, sq_b, sq_y, sq_x, h, sq_h, offs_d), mask=io_m, other=0.0)
-            do = tl.load(do_ptr + _offsets(b, sy, sx, sdo_b, sdo_y, sdo_x, h, sdo_h, offs_d), mask=io_m, other=0.0)
+            q = tl.load(q_img + _offsets(sy, sx, sq_y, sq_x, h, sq_h, offs_d), mask=io_m, other=0.0)
+            do = tl.load(do_img + _offsets(sy, sx, sdo_y, sdo_x, h, sdo_h, offs_d), mask=io_m, other=0.0)
             p = _softmax(q, k, _bias_tile(bias_ptr, cls, h, NH, offs_m, offs_n, ROWS, BLOCK_N), scale, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - tl.sum(p * dp, 1)[:, None])  # gradient of the scores (= of the bias tile)
             dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
-            tl.store(dq_ptr + _offsets(b, sy, sx, sdq_b, sdq_y, sdq_x, h, sdq_h, offs_d),
-                     dq.to(dq_ptr.dtype.element_ty), mask=io_m)
+            tl.store(dq_img + _offsets(sy, sx, sdq_y, sdq_x, h, sdq_h, offs_d), dq.to(dq_ptr.dtype.element_ty),
+                     mask=io_m)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
             if NUM_M == 1:
                 dbias_acc += ds
@@ -201,9 +216,9 @@ def window_attn_bwd_kernel(
                 ptrs = dbias_base + offs_m[:, None] * BLOCK_N + offs_n[None, :]
                 tl.store(ptrs, tl.load(ptrs) + ds)
         dk = dk * scale
-        d_offs = _offsets(b, sy_n, sx_n, sdq_b, sdq_y, sdq_x, h, sdq_h, offs_d)
-        tl.store(dk_ptr + d_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(dv_ptr + d_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+        d_offs = _offsets(sy_n, sx_n, sdq_y, sdq_x, h, sdq_h, offs_d)
+        tl.store(dk_ptr + b * sdq_b + d_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(dv_ptr + b * sdq_b + d_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
         if HAS_FILL:  # padded tokens hold the qkv bias: their k/v gradients flow to it
             pad = (inwin_n & (real_n == 0))[:, None]
             dfill_k += tl.sum(tl.where(pad, dk, 0.0), 0)

@@ -34,7 +34,8 @@ case "${1:-}" in
   kernel)
     # the paper's kernel (github.com/zzd1992/FlashWindowAttention) is a row where it is carried in .paper/
     export FWA_PAPER_PATH=$PWD/.paper
-    python scripts/tune_flash_window.py --shapes swin_t_stage1 swin_t_stage2 swin_b384_stage1 2>&1 | tee "$OUT/tune.txt"
+    python scripts/tune_flash_window.py --profile --shapes swin_t_stage1 swin_t_stage2 swin_t_stage4 swin_b384_stage1 \
+      2>&1 | tee "$OUT/tune.txt"
     python scripts/bench_attention.py --preset stages --dtype ${KERNEL_DTYPES:-bf16} --backends sdpa flash_window paper \
       --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.txt" ;;
   e2e)

@@ -21,11 +21,11 @@ import torch  # noqa: E402
 from scripts.bench_attention import DTYPES, PRESETS, Problem, flash_window, make_inputs, median_ms  # noqa: E402
 from swin.windows import relative_position_index, shifted_window_mask  # noqa: E402
 
-DEFAULT_CONFIGS = ["", "PROGRAMS_PER_SM=16", "PROGRAMS_PER_SM=64", "WARPS=2", "WARPS=8",
-                   "BWD_PROGRAMS_PER_SM=8", "BWD_PROGRAMS_PER_SM=32", "BWD_WARPS=8", "STAGES=2,BWD_STAGES=2"]
+DEFAULT_CONFIGS = ["", "HEAD_MINOR=0,BWD_HEAD_MINOR=0", "PROGRAMS_PER_SM=32", "WARPS=2", "WARPS=8",
+                   "BWD_PROGRAMS_PER_SM=8", "BWD_PROGRAMS_PER_SM=32", "BWD_WARPS=8", "BWD_WARPS=2"]
 
 
-def time_config(shape_name: str, dtype: torch.dtype) -> tuple[float, float]:
+def time_config(shape_name: str, dtype: torch.dtype, profile: bool = False) -> tuple[float, float]:
     shape = PRESETS[shape_name]
     device = torch.device("cuda")
     inputs = make_inputs(shape, dtype, device)
@@ -51,7 +51,25 @@ def time_config(shape_name: str, dtype: torch.dtype) -> tuple[float, float]:
     # GPU time as bench_attention.py measures it: cold L2, launch latency hidden behind a GPU sleep
     fwd_ms = median_ms(fwd_no_grad, device, warmup=10, reps=50)
     fwd_bwd_ms = median_ms(fwd_bwd, device, warmup=10, reps=50, reset=clear_grads)
+    if profile:
+        print_kernels(fwd_bwd, clear_grads, shape_name)
     return fwd_ms, fwd_bwd_ms
+
+
+def print_kernels(fn, reset, label: str, reps: int = 10) -> None:
+    """GPU time per kernel of fn (mean over reps calls): where a forward+backward spends its time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            reset()
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
+    events = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+    print(f"kernels of one forward+backward, {label} (us per call):")
+    for e in events:
+        if e.self_device_time_total > 0:
+            print(f"  {e.self_device_time_total / reps:9.1f}  {e.count // reps:3d}x  {e.key[:110]}")
 
 
 def _set_knobs(config: str) -> None:
@@ -67,16 +85,18 @@ def main() -> None:
     parser.add_argument("--config", action="append", help="comma-separated KNOB=value (SWIN_FW_ prefix implied)")
     parser.add_argument("--shapes", nargs="+", default=["swin_t_stage1", "swin_t_stage2"], choices=list(PRESETS))
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument("--profile", action="store_true", help="print the kernels of one forward+backward per shape")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_flash_window.py needs a CUDA GPU")
     os.environ["SWIN_FW_DEBUG"] = "1"  # the glue prints registers and spills of each new compilation
     rows = []
-    for config in args.config or DEFAULT_CONFIGS:
+    configs = args.config or DEFAULT_CONFIGS
+    for config in configs:
         _set_knobs(config)
         for shape in args.shapes:
             try:
-                fwd_ms, fwd_bwd_ms = time_config(shape, DTYPES[args.dtype])
+                fwd_ms, fwd_bwd_ms = time_config(shape, DTYPES[args.dtype], args.profile and config == configs[0])
                 times = f"{fwd_ms:.4f} | {fwd_bwd_ms:.4f}"
             except Exception as error:  # e.g. triton's OutOfResources: report the config, go on with the next
                 times = f"failed: {type(error).__name__}: {str(error).splitlines()[0]} | -"

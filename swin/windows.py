@@ -108,7 +108,8 @@ def mask_classes(mask: torch.Tensor | None, spec: WindowSpec) -> torch.Tensor | 
     if mask is None:
         return None
     gh, gw = spec.grid_size
-    return mask[[0, gw - 1, (gh - 1) * gw, gh * gw - 1]]
+    # slices, not an index list: a list index is copied to the device on every call (a host sync in eager mode)
+    return torch.stack([mask[0], mask[gw - 1], mask[(gh - 1) * gw], mask[gh * gw - 1]])
 
 
 def window_partition(x: torch.Tensor, window_size: tuple[int, int]) -> torch.Tensor:
