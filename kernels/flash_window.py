@@ -30,12 +30,11 @@ import functools
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import custom_op, triton_op, wrap_triton
 
-from .flash_window_triton import window_attn_bwd_kernel, window_attn_fwd_kernel
+from .flash_window_triton import bias_grad_kernel, bias_tiles_kernel, window_attn_bwd_kernel, window_attn_fwd_kernel
 
 MAX_WINDOW_AREA = 256   # the L x L score tile must fit on chip (16 x 16 windows)
 MAX_HEAD_DIM = 128
@@ -173,14 +172,15 @@ def _launch_plan(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry, mas
 
 
 def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, cfg: dict) -> torch.Tensor:
-    """(classes, heads, rows, BLOCK_N) fp32 tiles the kernels load: bias plus each class's mask, -inf in the
-    key columns past L (no key there), 0 in the query rows past L (finite rows: nothing there is stored)."""
-    tiles = bias.detach().float()[None]
-    if mask is not None:
-        tiles = tiles + mask.float()[:, None]
-    area = bias.shape[-1]
-    tiles = F.pad(tiles, (0, cfg["BLOCK_N"] - area), value=float("-inf"))
-    return F.pad(tiles, (0, 0, 0, cfg["NUM_M"] * cfg["BLOCK_M"] - area)).contiguous()
+    """(classes, heads, rows, BLOCK_N) fp32 tiles the attention kernels load: bias plus each class's mask, padded
+    (one small kernel: a single launch, as eager calls are host-bound for small stages)."""
+    heads, area = bias.shape[0], bias.shape[-1]
+    classes = mask.shape[0] if mask is not None else 1
+    tiles = bias.new_empty((classes, heads, cfg["NUM_M"] * cfg["BLOCK_M"], cfg["BLOCK_N"]), dtype=torch.float32)
+    mask_arg = mask.contiguous() if mask is not None else bias  # not read without a mask
+    _launch(bias_tiles_kernel, (classes * heads, cfg["NUM_M"]), bias, *bias.stride(), mask_arg, tiles, area, heads,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_M=cfg["NUM_M"], MASKED=mask is not None)
+    return tiles
 
 
 def _launch(kernel, grid: tuple[int], *args, **keywords):
@@ -239,18 +239,18 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
     """Writes dq, dk, dv into dqkv (sd_t elements apart); returns (bias gradient, fill gradient or None)."""
     cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask, fill, backward=True)
     tiles = _bias_tiles(bias, mask, cfg)
-    rows = cfg["NUM_M"] * cfg["BLOCK_M"]
-    # one (rows, BLOCK_N) tile per program; the single-block kernel writes its tile whole at the end,
-    # the multi-block one adds into it window after window
+    # one tile per program; the single-block kernel writes its tile whole at the end, the multi-block one adds
+    # into it window after window
     alloc = torch.empty if cfg["NUM_M"] == 1 else torch.zeros
-    dbias = alloc(cfg["sets"], heads, rows, cfg["BLOCK_N"], dtype=torch.float32, device=q.device)
+    partial = alloc((cfg["sets"], *tiles.shape[1:]), dtype=torch.float32, device=q.device)
     dfill = torch.zeros(2, heads, head_dim, dtype=torch.float32, device=q.device) if fill is not None else None
     kernel = _launch(window_attn_bwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, do, *sdo, dqkv, sd_t, *sdq,
-                     tiles, fill if fill is not None else tiles, dbias, dfill if dfill is not None else dbias,
+                     tiles, fill if fill is not None else tiles, partial, dfill if dfill is not None else partial,
                      *geo.ints(), head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
-    area = geo.area
-    dbias = dbias.sum(0)[:, :area, :area].to(bias.dtype).contiguous()
+    dbias = torch.empty_like(bias, memory_format=torch.contiguous_format)
+    _launch(bias_grad_kernel, (heads, cfg["NUM_M"]), partial, dbias, cfg["sets"], geo.area, heads,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_M=cfg["NUM_M"])
     return dbias, (dfill.to(fill.dtype) if dfill is not None else None)
 
 

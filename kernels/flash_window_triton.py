@@ -8,16 +8,15 @@ window's token (r, c) is found by undoing the block's cyclic shift and padding i
 arithmetic, so no roll / pad / partition copies exist around the kernel. The window layout
 (B * num_windows, heads, L, head_dim) is the special case of images of one 1 x L window each.
 
-B is a dense fp32 tile per (mask class, head), built by the caller: the relative position bias plus the
-additive mask of the window's class, with -inf in the key columns past L. Swin's shifted-window mask
-depends only on whether a window lies in the last row and/or the last column of its image's window
-grid, so four classes cover it (one when unshifted). The kernel picks the class from the window's grid
-position and loads its tile (L2-resident): no per-element mask arithmetic, and a shifted block costs
-what an unshifted one does.
+B is the dense (heads, L, L) bias plus the additive mask of the window's class: Swin's shifted-window mask
+depends only on whether a window lies in the last row and/or the last column of its image's window grid,
+so four (L, L) masks cover it. bias_tiles_kernel adds them into one padded fp32 tile per (class, head); the
+attention kernels pick the class from the window's grid position and load its tile (L2-resident): no
+per-element region arithmetic, and a shifted block costs about what an unshifted one does.
 
 Programs take one head and a strided set of windows each (one window each in the forward by default).
 The backward sums the bias gradient of its windows on chip and writes it once per program (a small
-(programs, heads, rows, BLOCK_N) buffer, reduced by the caller): no atomics per window and element.
+(programs, rows, BLOCK_N) buffer, reduced by bias_grad_kernel): no atomics per window and element.
 """
 import triton
 import triton.language as tl
@@ -91,10 +90,47 @@ def _load_tokens(ptr, offsets, io_mask, real, inwin, fill_ptr, offs_d, HD, HAS_F
 
 
 @triton.jit
-def _bias_tile(bias_ptr, cls, h, NH, offs_m, offs_n, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) fp32 rows offs_m of the (class, head) tile; padded storage, no load mask."""
-    base = bias_ptr + (cls * NH + h).to(tl.int64) * (ROWS * BLOCK_N)
+def _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) fp32 rows offs_m of the (class, head) tile (see bias_tiles_kernel): aligned, padded
+    storage, so the load needs no mask and vectorises; the tiles are L2-resident."""
+    base = tiles_ptr + (cls * NH + h) * (ROWS * BLOCK_N)
     return tl.load(base + offs_m[:, None] * BLOCK_N + offs_n[None, :])
+
+
+@triton.jit
+def bias_tiles_kernel(bias_ptr, sb_h, sb_m, sb_n, mask_ptr, tiles_ptr, L, NH,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_M: tl.constexpr, MASKED: tl.constexpr):
+    """tiles[c, h] = bias[h] + mask[c] as a (NUM_M * BLOCK_M, BLOCK_N) fp32 tile: -inf in the key columns past L
+    (no key there), 0 in the query rows past L (finite rows: nothing of them is stored).
+    Programs: (class, head) x row block."""
+    pid = tl.program_id(0)
+    h = pid % NH
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    ok = (offs_m < L)[:, None] & (offs_n < L)[None, :]
+    tile = tl.load(bias_ptr + h * sb_h + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n, mask=ok, other=0.0)
+    tile = tile.to(tl.float32)
+    if MASKED:
+        tile += tl.load(mask_ptr + (pid // NH) * L * L + offs_m[:, None] * L + offs_n[None, :], mask=ok, other=0.0)
+    tile = tl.where((offs_n < L)[None, :] | (offs_m >= L)[:, None], tile, float("-inf"))
+    tl.store(tiles_ptr + pid * (NUM_M * BLOCK_M * BLOCK_N) + offs_m[:, None] * BLOCK_N + offs_n[None, :], tile)
+
+
+@triton.jit
+def bias_grad_kernel(partial_ptr, dbias_ptr, SETS, L, NH,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_M: tl.constexpr):
+    """dbias[h] = the sum over the backward's programs of their tiles of head h, cut to (L, L): a fixed summation
+    order (deterministic). Programs: head x row block."""
+    h = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    tile = offs_m[:, None] * BLOCK_N + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(SETS):
+        acc += tl.load(partial_ptr + (i * NH + h).to(tl.int64) * (NUM_M * BLOCK_M * BLOCK_N) + tile)
+    ok = (offs_m < L)[:, None] & (offs_n < L)[None, :]
+    tl.store(dbias_ptr + h * L * L + offs_m[:, None] * L + offs_n[None, :], acc.to(dbias_ptr.dtype.element_ty),
+             mask=ok)
 
 
 @triton.jit
@@ -109,7 +145,7 @@ def _softmax(q, k, bias, scale, PRECISION: tl.constexpr):
 def window_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, s_t, sq_b, sq_y, sq_x, sq_h,
     o_ptr, so_b, so_y, so_x, so_h,
-    bias_ptr, fill_ptr,
+    tiles_ptr, fill_ptr,
     G, L, H, W, AGH, AGW, ASH, ASW, MGH, MGW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
@@ -123,7 +159,6 @@ def window_attn_fwd_kernel(
     fill_ptr += h * HD
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    ROWS: tl.constexpr = NUM_M * BLOCK_M
     for g in tl.range(first, G, nsets, num_stages=STAGES):
         cls = _mask_class(g, MGH, MGW) if MASKED else 0
         b, sy_n, sx_n, inwin_n, real_n = _tokens(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
@@ -143,7 +178,8 @@ def window_attn_fwd_kernel(
                 _b, sy, sx, _inwin, real_m = _tokens(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
                 io_m = _io_mask(real_m, offs_d, HD)
             q = tl.load(q_img + _offsets(sy, sx, sq_y, sq_x, h, sq_h, offs_d), mask=io_m, other=0.0)
-            p = _softmax(q, k, _bias_tile(bias_ptr, cls, h, NH, offs_m, offs_n, ROWS, BLOCK_N), scale, PRECISION)
+            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, BLOCK_N)
+            p = _softmax(q, k, bias, scale, PRECISION)
             o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             tl.store(o_img + _offsets(sy, sx, so_y, so_x, h, so_h, offs_d), o.to(o_ptr.dtype.element_ty), mask=io_m)
 
@@ -153,7 +189,7 @@ def window_attn_bwd_kernel(
     q_ptr, k_ptr, v_ptr, s_t, sq_b, sq_y, sq_x, sq_h,
     do_ptr, sdo_b, sdo_y, sdo_x, sdo_h,
     dqkv_ptr, sd_t, sdq_b, sdq_y, sdq_x, sdq_h,
-    bias_ptr, fill_ptr, dbias_ptr, dfill_ptr,
+    tiles_ptr, fill_ptr, dbias_ptr, dfill_ptr,
     G, L, H, W, AGH, AGW, ASH, ASW, MGH, MGW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
@@ -172,9 +208,8 @@ def window_attn_bwd_kernel(
     dv_ptr = dqkv_ptr + 2 * sd_t
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    ROWS: tl.constexpr = NUM_M * BLOCK_M
     # this program's (rows, BLOCK_N) slice of the bias-gradient buffer
-    dbias_base = dbias_ptr + (first * NH + h).to(tl.int64) * (ROWS * BLOCK_N)
+    dbias_base = dbias_ptr + (first * NH + h).to(tl.int64) * (NUM_M * BLOCK_M * BLOCK_N)
     if NUM_M == 1:
         dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dfill_k = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -202,7 +237,8 @@ def window_attn_bwd_kernel(
                 io_m = _io_mask(real_m, offs_d, HD)
             q = tl.load(q_img + _offsets(sy, sx, sq_y, sq_x, h, sq_h, offs_d), mask=io_m, other=0.0)
             do = tl.load(do_img + _offsets(sy, sx, sdo_y, sdo_x, h, sdo_h, offs_d), mask=io_m, other=0.0)
-            p = _softmax(q, k, _bias_tile(bias_ptr, cls, h, NH, offs_m, offs_n, ROWS, BLOCK_N), scale, PRECISION)
+            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, BLOCK_N)
+            p = _softmax(q, k, bias, scale, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - tl.sum(p * dp, 1)[:, None])  # gradient of the scores (= of the bias tile)

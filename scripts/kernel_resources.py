@@ -34,7 +34,7 @@ from kernels.flash_window_triton import window_attn_bwd_kernel, window_attn_fwd_
 
 HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
 DTYPES = {"bf16": ("*bf16", 2), "fp16": ("*fp16", 2), "fp32": ("*fp32", 4)}
-FP32_POINTERS = {"bias_ptr", "dbias_ptr", "dfill_ptr"}
+FP32_POINTERS = {"bias_ptr", "mask_ptr", "dbias_ptr", "dfill_ptr"}
 
 
 def _signature(fn, constants: dict, data_ptr: str) -> dict[str, str]:
@@ -77,7 +77,7 @@ def report(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool, ca
         # as on the device for Swin shapes: pointers and strides are multiples of 16, head_dim where it is
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                  if name in signature and signature[name] != "constexpr"
-                 and (name.endswith("_ptr") or re.fullmatch(r"s[a-z]*_[bxyht]", name)
+                 and (name.endswith("_ptr") or re.fullmatch(r"s[a-z]*_[bxyht]", name) or name in ("sb_h", "sb_m")
                       or (name == "HD" and head_dim % 16 == 0))}
         source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),

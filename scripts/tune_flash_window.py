@@ -21,8 +21,8 @@ import torch  # noqa: E402
 from scripts.bench_attention import DTYPES, PRESETS, Problem, flash_window, make_inputs, median_ms  # noqa: E402
 from swin.windows import relative_position_index, shifted_window_mask  # noqa: E402
 
-DEFAULT_CONFIGS = ["", "HEAD_MINOR=0,BWD_HEAD_MINOR=0", "PROGRAMS_PER_SM=32", "WARPS=2", "WARPS=8",
-                   "BWD_PROGRAMS_PER_SM=8", "BWD_PROGRAMS_PER_SM=32", "BWD_WARPS=8", "BWD_WARPS=2"]
+DEFAULT_CONFIGS = ["", "PROGRAMS_PER_SM=32", "PROGRAMS_PER_SM=32,STAGES=2", "BWD_PROGRAMS_PER_SM=8",
+                   "BWD_PROGRAMS_PER_SM=4", "BWD_WARPS=8", "BWD_STAGES=2"]
 
 
 def time_config(shape_name: str, dtype: torch.dtype, profile: bool = False) -> tuple[float, float]:
@@ -53,7 +53,24 @@ def time_config(shape_name: str, dtype: torch.dtype, profile: bool = False) -> t
     fwd_bwd_ms = median_ms(fwd_bwd, device, warmup=10, reps=50, reset=clear_grads)
     if profile:
         print_kernels(fwd_bwd, clear_grads, shape_name)
+        print(f"host time per call, {shape_name}: forward {host_us(fwd_no_grad):.0f} us, "
+              f"forward+backward {host_us(fwd_bwd, clear_grads):.0f} us")
     return fwd_ms, fwd_bwd_ms
+
+
+def host_us(fn, reset=lambda: None, reps: int = 20) -> float:
+    """CPU time to enqueue fn() (median, us) while the GPU is kept busy: above the GPU time, a call is host-bound."""
+    import statistics
+    import time
+    times = []
+    for _ in range(reps):
+        reset()
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU spin: fn's launches queue behind it
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def print_kernels(fn, reset, label: str, reps: int = 10) -> None:

@@ -263,7 +263,7 @@ _ACCESS_PROBE = textwrap.dedent("""
     q = torch.randn(8, 2, 49, 16)
     fw._window_op(q, q, q, bias, mask, [2, 2], 0.25)
     fw._window_op_bwd(q, q, q, q, bias, mask, [2, 2], 0.25)
-    json.dump([written(kernel, kwargs) for kernel, kwargs in launches], sys.stdout)
+    json.dump([[kernel.__name__, written(kernel, kwargs)] for kernel, kwargs in launches], sys.stdout)
 """)
 
 
@@ -278,10 +278,12 @@ def test_compile_sees_kernels_write_only_their_outputs():
     done = subprocess.run([sys.executable, "-c", _ACCESS_PROBE], cwd=Path(__file__).resolve().parents[1], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    fwd_image, bwd_image, fwd_window, bwd_window = json.loads(done.stdout.strip().splitlines()[-1])
-    assert fwd_image == fwd_window == ["o_ptr"]
-    assert bwd_image == ["dbias_ptr", "dfill_ptr", "dqkv_ptr"]
-    assert bwd_window == ["dbias_ptr", "dqkv_ptr"]
+    launches = [tuple(x) for x in json.loads(done.stdout.strip().splitlines()[-1])]
+    tiles, forward = ("bias_tiles_kernel", ["tiles_ptr"]), ("window_attn_fwd_kernel", ["o_ptr"])
+    grad = ("bias_grad_kernel", ["dbias_ptr"])
+    backward_image = ("window_attn_bwd_kernel", ["dbias_ptr", "dfill_ptr", "dqkv_ptr"])
+    backward_window = ("window_attn_bwd_kernel", ["dbias_ptr", "dqkv_ptr"])
+    assert launches == [tiles, forward, tiles, backward_image, grad, tiles, forward, tiles, backward_window, grad]
 
 
 _COPY_KERNEL = """
