@@ -34,7 +34,7 @@ import triton
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import custom_op, triton_op, wrap_triton
 
-from .flash_window_triton import bias_grad_kernel, bias_tiles_kernel, window_attn_bwd_kernel, window_attn_fwd_kernel
+from .flash_window_triton import bias_tiles_kernel, window_attn_bwd_kernel, window_attn_fwd_kernel
 
 MAX_WINDOW_AREA = 256   # the L x L score tile must fit on chip (16 x 16 windows)
 MAX_HEAD_DIM = 128
@@ -96,22 +96,23 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     block_m = block_n if block_n <= 64 else 16
     block_m = min(block_n, _tuning("BWD_BLOCK_M" if backward else "BLOCK_M", block_m))
     num_m = triton.cdiv(window_area, block_m)
-    # forward: one program per window and head (0), so that many small programs hide memory latency;
-    # backward: a few programs per SM, each looping over windows, because each writes a bias-gradient
-    # tile (a (rows, BLOCK_N) slice read and written per window when the window takes several query blocks).
-    # The interpreter (CPU) runs programs one after the other: 4 programs per head keep tests quick.
+    # forward, one-block windows: 32 programs per SM, each looping over windows with the next window's loads
+    # pipelined (STAGES=2); several query blocks: one program per window and head (0). Backward: 4 programs
+    # per SM, each looping over windows, as each writes a bias-gradient tile the caller sums (H100, bf16,
+    # scripts/tune_flash_window.py, docs/benchmarks.md). The interpreter (CPU) runs programs one after the
+    # other: 4 programs per head keep tests quick.
     cuda = device.type == "cuda"
     if backward:
-        per_sm = _tuning("BWD_PROGRAMS_PER_SM", (16 if num_m == 1 else 4) if cuda else 4)
+        per_sm = _tuning("BWD_PROGRAMS_PER_SM", 4)
     else:
-        per_sm = _tuning("PROGRAMS_PER_SM", 0 if cuda else 4)
+        per_sm = _tuning("PROGRAMS_PER_SM", (32 if num_m == 1 else 0) if cuda else 4)
     budget = _num_sms(device.index or 0) * per_sm // heads if cuda else per_sm
     sets = total_windows if per_sm == 0 else max(1, min(total_windows, budget))
     # 8 warps only for the 256-token backward (measured on the H100: 12x12 and 10x10 windows, bf16)
     default_warps = 8 if (block_n >= 256 and backward) else 4
     return dict(sets=sets, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                 NUM_M=num_m, num_warps=_tuning("BWD_WARPS" if backward else "WARPS", default_warps),
-                STAGES=_tuning("BWD_STAGES" if backward else "STAGES", 1),
+                STAGES=_tuning("BWD_STAGES" if backward else "STAGES", 2 if (num_m == 1 and not backward) else 1),
                 HEAD_MINOR=_tuning("BWD_HEAD_MINOR" if backward else "HEAD_MINOR", 1))
 
 
@@ -248,9 +249,8 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
                      tiles, fill if fill is not None else tiles, partial, dfill if dfill is not None else partial,
                      *geo.ints(), head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
-    dbias = torch.empty_like(bias, memory_format=torch.contiguous_format)
-    _launch(bias_grad_kernel, (heads, cfg["NUM_M"]), partial, dbias, cfg["sets"], geo.area, heads,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_M=cfg["NUM_M"])
+    # a fixed-order reduction over the programs' tiles (deterministic), cut to (heads, L, L)
+    dbias = partial.sum(0)[:, :geo.area, :geo.area].to(bias.dtype)
     return dbias, (dfill.to(fill.dtype) if dfill is not None else None)
 
 

@@ -16,7 +16,7 @@ per-element region arithmetic, and a shifted block costs about what an unshifted
 
 Programs take one head and a strided set of windows each (one window each in the forward by default).
 The backward sums the bias gradient of its windows on chip and writes it once per program (a small
-(programs, rows, BLOCK_N) buffer, reduced by bias_grad_kernel): no atomics per window and element.
+(programs, rows, BLOCK_N) buffer, summed by the caller): no atomics per window and element.
 """
 import triton
 import triton.language as tl
@@ -114,23 +114,6 @@ def bias_tiles_kernel(bias_ptr, sb_h, sb_m, sb_n, mask_ptr, tiles_ptr, L, NH,
         tile += tl.load(mask_ptr + (pid // NH) * L * L + offs_m[:, None] * L + offs_n[None, :], mask=ok, other=0.0)
     tile = tl.where((offs_n < L)[None, :] | (offs_m >= L)[:, None], tile, float("-inf"))
     tl.store(tiles_ptr + pid * (NUM_M * BLOCK_M * BLOCK_N) + offs_m[:, None] * BLOCK_N + offs_n[None, :], tile)
-
-
-@triton.jit
-def bias_grad_kernel(partial_ptr, dbias_ptr, SETS, L, NH,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_M: tl.constexpr):
-    """dbias[h] = the sum over the backward's programs of their tiles of head h, cut to (L, L): a fixed summation
-    order (deterministic). Programs: head x row block."""
-    h = tl.program_id(0)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    tile = offs_m[:, None] * BLOCK_N + offs_n[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(SETS):
-        acc += tl.load(partial_ptr + (i * NH + h).to(tl.int64) * (NUM_M * BLOCK_M * BLOCK_N) + tile)
-    ok = (offs_m < L)[:, None] & (offs_n < L)[None, :]
-    tl.store(dbias_ptr + h * L * L + offs_m[:, None] * L + offs_n[None, :], acc.to(dbias_ptr.dtype.element_ty),
-             mask=ok)
 
 
 @triton.jit

@@ -21,8 +21,7 @@ import torch  # noqa: E402
 from scripts.bench_attention import DTYPES, PRESETS, Problem, flash_window, make_inputs, median_ms  # noqa: E402
 from swin.windows import relative_position_index, shifted_window_mask  # noqa: E402
 
-DEFAULT_CONFIGS = ["", "PROGRAMS_PER_SM=32", "PROGRAMS_PER_SM=32,STAGES=2", "BWD_PROGRAMS_PER_SM=8",
-                   "BWD_PROGRAMS_PER_SM=4", "BWD_WARPS=8", "BWD_STAGES=2"]
+DEFAULT_CONFIGS = ["", "PROGRAMS_PER_SM=16", "PROGRAMS_PER_SM=64", "BWD_PROGRAMS_PER_SM=2", "BWD_PROGRAMS_PER_SM=8"]
 
 
 def time_config(shape_name: str, dtype: torch.dtype, profile: bool = False) -> tuple[float, float]:
@@ -55,6 +54,16 @@ def time_config(shape_name: str, dtype: torch.dtype, profile: bool = False) -> t
         print_kernels(fwd_bwd, clear_grads, shape_name)
         print(f"host time per call, {shape_name}: forward {host_us(fwd_no_grad):.0f} us, "
               f"forward+backward {host_us(fwd_bwd, clear_grads):.0f} us")
+        import cProfile
+        import pstats
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(20):
+            clear_grads()
+            fwd_bwd()
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     return fwd_ms, fwd_bwd_ms
 
 
