@@ -74,6 +74,8 @@ def _check(x: torch.Tensor, area: int, head_dim: int, heads: int, bias: torch.Te
     if mask is not None and mask.shape != (MASK_CLASSES, area, area):
         raise ValueError(f"mask must be None or the ({MASK_CLASSES}, {area}, {area}) masks of interior, last-column, "
                          f"last-row and last windows, got {tuple(mask.shape)}")
+    if any(t is not None and t.device != x.device for t in (bias, mask)):
+        raise ValueError(f"bias and mask must be on the device of the inputs ({x.device})")
     if mask is not None and mask.requires_grad:
         raise ValueError("mask must not require grad (it is a constant of the window geometry)")
 
@@ -108,20 +110,26 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
         per_sm = _tuning("PROGRAMS_PER_SM", (32 if num_m == 1 else 0) if cuda else 4)
     budget = _num_sms(device.index or 0) * per_sm // heads if cuda else per_sm
     sets = total_windows if per_sm == 0 else max(1, min(total_windows, budget))
+    # the forward's next-window loads pipelined through shared memory: one-block windows of tiles up to 32 KB
+    # (a 128-token fp32 window of head_dim 128 would need 311 KB of shared memory)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    stages = 2 if (num_m == 1 and not backward and block_n * block_d * itemsize <= 32768) else 1
     # 8 warps only for the 256-token backward (measured on the H100: 12x12 and 10x10 windows, bf16)
     default_warps = 8 if (block_n >= 256 and backward) else 4
-    return dict(sets=sets, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    return dict(sets=sets, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                 NUM_M=num_m, num_warps=_tuning("BWD_WARPS" if backward else "WARPS", default_warps),
-                STAGES=_tuning("BWD_STAGES" if backward else "STAGES", 2 if (num_m == 1 and not backward) else 1),
+                STAGES=_tuning("BWD_STAGES" if backward else "STAGES", stages),
                 HEAD_MINOR=_tuning("BWD_HEAD_MINOR" if backward else "HEAD_MINOR", 1))
 
 
 def kernel_constants(cfg: dict, window: tuple[int, int], masked: bool, has_fill: bool, dtype: torch.dtype) -> dict:
     """The kernels' constexpr arguments for a launch config (also used by scripts/kernel_resources.py)."""
     tiling = {k: v for k, v in cfg.items() if k not in ("sets", "num_warps")}
-    # fp32: three tf32 products per product (about fp32 accuracy on tensor cores); 256-key tiles of it do not
-    # fit in shared memory (sm_90 backward), they take exact fp32 FMAs
-    fp32 = os.environ.get("SWIN_FW_FP32_PRECISION", "tf32x3" if cfg["BLOCK_N"] <= 128 else "ieee")
+    # fp32: three tf32 products per product (about fp32 accuracy on tensor cores) for tiles of up to 64 x 64;
+    # larger ones do not fit in shared memory that way on sm_90 (10x10 windows of head_dim 128: 311 KB) and
+    # take exact fp32 FMAs (scripts/kernel_resources.py)
+    small = cfg["BLOCK_N"] * cfg["BLOCK_D"] <= 4096
+    fp32 = os.environ.get("SWIN_FW_FP32_PRECISION", "tf32x3" if small else "ieee")
     return dict(WH=window[0], WW=window[1], MASKED=masked, HAS_FILL=has_fill,
                 PRECISION=fp32 if dtype == torch.float32 else "tf32", **tiling)
 

@@ -141,8 +141,9 @@ def test_image_op_matches_partitioned_reference(feat, window, shifted, dtype):
     qkv_bias = (0.5 * torch.randn(3, heads, head_dim, device=DEVICE)).requires_grad_()
     table = (0.5 * torch.randn((2 * window[0] - 1) * (2 * window[1] - 1), heads, device=DEVICE)).requires_grad_()
     scale = head_dim ** -0.5
-    out = flash_window_attention_image(qkv, dense_bias(table, window), mask_classes(shifted_window_mask(spec), spec),
-                                       qkv_bias, window, shift, scale)
+    out = flash_window_attention_image(qkv, dense_bias(table, window),
+                                       mask_classes(shifted_window_mask(spec, DEVICE), spec), qkv_bias, window, shift,
+                                       scale)
     grad = torch.randn_like(out)
     out.backward(grad)
     leaves = [t.detach().double().requires_grad_() for t in (qkv, table, qkv_bias)]
