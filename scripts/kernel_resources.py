@@ -51,10 +51,11 @@ def _signature(fn, constants: dict, data_ptr: str) -> dict[str, str]:
     return sig
 
 
-def _ptxas_report(ptx: str, arch: str) -> str:
+def _ptxas_resources(ptx: str, arch: str) -> dict:
+    """Registers and spill-store bytes that ptxas reports (None where it reports nothing)."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
-        return "ptxas not found"
+        return dict(registers=None, spill_bytes=None)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
@@ -63,12 +64,14 @@ def _ptxas_report(ptx: str, arch: str) -> str:
     text = out.stderr + out.stdout
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores", text)
-    return f"{regs.group(1) if regs else '?'} registers, {spill.group(1) if spill else '?'} B spill stores"
+    return dict(registers=int(regs.group(1)) if regs else None, spill_bytes=int(spill.group(1)) if spill else None)
 
 
-def report(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool, capability: int) -> list[str]:
+def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool, capability: int = 90) -> list[dict]:
+    """Both attention kernels compiled for the device's launch configuration: tiling, registers, spills and
+    shared memory (and whether it fits a block's limit on Hopper)."""
     data_ptr, itemsize = DTYPES[dtype]
-    lines = []
+    rows = []
     for fn, backward in ((window_attn_fwd_kernel, False), (window_attn_bwd_kernel, True)):
         cfg = _launch_config(1024, 4, window[0] * window[1], head_dim, torch.device("cpu"), backward=backward,
                              itemsize=itemsize)
@@ -77,17 +80,25 @@ def report(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool, ca
         # as on the device for Swin shapes: pointers and strides are multiples of 16, head_dim where it is
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                  if name in signature and signature[name] != "constexpr"
-                 and (name.endswith("_ptr") or re.fullmatch(r"s[a-z]*_[bxyht]", name) or name in ("sb_h", "sb_m")
+                 and (name.endswith("_ptr") or re.fullmatch(r"s[a-z]*_[bxyht]", name)
                       or (name == "HD" and head_dim % 16 == 0))}
         source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                                   options=dict(num_warps=cfg["num_warps"]))
         shared = compiled.metadata.shared
-        verdict = "fits" if shared <= HOPPER_SHARED_LIMIT else "EXCEEDS the sm_90 limit"
-        lines.append(f"{window[0]}x{window[1]} hd{head_dim} {dtype} {'bwd' if backward else 'fwd'}: "
-                     f"BLOCK_M {cfg['BLOCK_M']} BLOCK_N {cfg['BLOCK_N']} warps {cfg['num_warps']}; "
-                     f"{_ptxas_report(compiled.asm['ptx'], f'sm_{capability}a')}; shared {shared} B ({verdict})")
-    return lines
+        rows.append(dict(window=list(window), head_dim=head_dim, dtype=dtype, kernel="bwd" if backward else "fwd",
+                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], warps=cfg["num_warps"],
+                         stages=cfg["STAGES"], precision=constants["PRECISION"], shared=shared,
+                         fits=shared <= HOPPER_SHARED_LIMIT,
+                         **_ptxas_resources(compiled.asm["ptx"], f"sm_{capability}a")))
+    return rows
+
+
+def describe(r: dict) -> str:
+    verdict = "fits" if r["fits"] else "EXCEEDS the sm_90 limit"
+    return (f"{r['window'][0]}x{r['window'][1]} hd{r['head_dim']} {r['dtype']} {r['kernel']}: BLOCK_M {r['BLOCK_M']} "
+            f"BLOCK_N {r['BLOCK_N']} warps {r['warps']} stages {r['stages']} {r['precision']}; {r['registers']} "
+            f"registers, {r['spill_bytes']} B spill stores; shared {r['shared']} B ({verdict})")
 
 
 def main() -> None:
@@ -101,8 +112,8 @@ def main() -> None:
     for side in args.window or [7, 8, 12, 16]:
         for head_dim in args.head_dim:
             for dtype in args.dtype:
-                for line in report((side, side), head_dim, dtype, not args.unshifted, args.capability):
-                    print(line, flush=True)
+                for row in resources((side, side), head_dim, dtype, not args.unshifted, args.capability):
+                    print(describe(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -286,6 +286,37 @@ def test_compile_sees_kernels_write_only_their_outputs():
     assert launches == [tiles, forward, tiles, backward_image, tiles, forward, tiles, backward_window]
 
 
+# (window, head_dim, dtype) of every launch configuration the GPU tests below and the Swin models use
+_HOPPER_CASES = [((7, 7), 32, "bf16"), ((7, 7), 32, "fp32"), ((7, 7), 16, "bf16"), ((8, 8), 48, "bf16"),
+                 ((12, 12), 32, "bf16"), ((12, 12), 32, "fp32"), ((16, 16), 64, "bf16"), ((6, 10), 128, "bf16"),
+                 ((6, 10), 128, "fp32"), ((10, 10), 128, "bf16"), ((10, 10), 128, "fp32")]
+_RESOURCES_PROBE = textwrap.dedent("""
+    import json, sys
+    from concurrent.futures import ProcessPoolExecutor
+    from scripts.kernel_resources import resources
+    cases = json.loads(sys.argv[1])
+    with ProcessPoolExecutor(2) as pool:
+        rows = [r for rs in pool.map(resources, *zip(*[(tuple(w), hd, dt, True) for w, hd, dt in cases])) for r in rs]
+    json.dump(rows, sys.stdout)
+""")
+
+
+@pytest.mark.slow
+def test_kernels_fit_in_hopper_shared_memory():
+    """Both kernels, compiled for sm_90 on the CPU (Triton's ahead-of-time compiler) with the launch configuration
+    the GPU would use, fit a block's shared memory for every tested shape: a 10x10 fp32 window of head_dim 128
+    once asked for 311 KB and failed to launch on the H100."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("SWIN_FW_")}
+    done = subprocess.run([sys.executable, "-c", _RESOURCES_PROBE, json.dumps(_HOPPER_CASES)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 * len(_HOPPER_CASES)
+    too_big = [(r["window"], r["head_dim"], r["dtype"], r["kernel"], r["shared"]) for r in rows if not r["fits"]]
+    assert not too_big, too_big
+    assert all(r["shared"] > 0 for r in rows)
+
+
 _COPY_KERNEL = """
 @triton.jit
 def triton_poi_fused_unbind_3(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
