@@ -222,7 +222,9 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Te
 # ---------------------------------------------------------------------------------------------
 # measurement
 
-SLEEP_CYCLES = 2_000_000   # ~1 ms of GPU spin before each timed call: the CPU enqueues the call meanwhile
+# ~4 ms of GPU spin before each timed call: the CPU enqueues the call meanwhile, so the events time the GPU's work
+# (an eager forward+backward through a custom op takes up to ~2.7 ms of CPU time: see host_ms)
+SLEEP_CYCLES = 8_000_000
 FLUSH_BYTES = 256 << 20    # > the 50 MB L2 of an H100
 
 
@@ -255,6 +257,22 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps:
         ends[i].record()
     torch.cuda.synchronize(device)
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def host_ms(fn: Callable[[], object], reset: Callable[[], None] = lambda: None, reps: int = 20) -> float | None:
+    """Median CPU time (ms) to enqueue fn() while the GPU is kept busy (CUDA only): the eager call's host
+    overhead. Where it exceeds the GPU time, an eager loop of such calls runs at the host's pace."""
+    if not torch.cuda.is_available():
+        return None
+    times = []
+    for _ in range(reps):
+        reset()
+        torch.cuda._sleep(4 * SLEEP_CYCLES)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def copy_bandwidth_gbs(device: torch.device, warmup: int, reps: int) -> float:
@@ -360,6 +378,9 @@ def bench_backend(name: str, shape: Shape, dtype: torch.dtype, device: torch.dev
         clear_grads()
         row["ms_fwd"] = median_ms(forward, device, warmup, reps)
         row["ms_fwd_bwd"] = median_ms(forward_backward, device, warmup, reps, reset=clear_grads)
+        if device.type == "cuda":
+            row["host_ms_fwd"] = host_ms(forward)
+            row["host_ms_fwd_bwd"] = host_ms(forward_backward, clear_grads)
     except Exception as e:  # unsupported shape, OOM, ...: keep the other rows
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         clear_grads()
@@ -383,12 +404,12 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     head = ("| shape | dtype | backend | fwd ms | fwd GB/s | fwd % copy | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd % copy "
-            "| fwd peak MiB | fwd+bwd peak MiB | fwd+bwd mem / sdpa | err out | err grads |")
+            "| fwd peak MiB | fwd+bwd peak MiB | fwd+bwd mem / sdpa | host ms fwd / fwd+bwd | err out | err grads |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     sdpa_mem = {(r["shape"], r["dtype"]): r.get("peak_mib_fwd_bwd") for r in rows if r["backend"] == "sdpa"}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['dtype']} | {r['backend']} | {r['error']} |" + " - |" * 10)
+            lines.append(f"| {r['shape']} | {r['dtype']} | {r['backend']} | {r['error']} |" + " - |" * 11)
             continue
         ref_mem = sdpa_mem.get((r["shape"], r["dtype"]))
         mem_ratio = r["peak_mib_fwd_bwd"] / ref_mem if (ref_mem and r["peak_mib_fwd_bwd"] is not None) else None
@@ -397,6 +418,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['shape']} | {r['dtype']} | {r['backend']} | {r['ms_fwd']:.3f} | {r['gbs_fwd']:.4g} "
             f"| {r['pct_copy_fwd']:.1f} | {r['ms_fwd_bwd']:.3f} | {r['gbs_fwd_bwd']:.4g} | {r['pct_copy_fwd_bwd']:.1f} "
             f"| {_fmt(r['peak_mib_fwd'], '.1f')} | {_fmt(r['peak_mib_fwd_bwd'], '.1f')} | {_fmt(mem_ratio, '.2f')} "
+            f"| {_fmt(r.get('host_ms_fwd'), '.3f')} / {_fmt(r.get('host_ms_fwd_bwd'), '.3f')} "
             f"| {r['errors']['out']:.1e} | {err_grads:.1e} |")
     return "\n".join(lines)
 
@@ -533,7 +555,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"> {ERROR_TOL[r['dtype']]:.0e}: wrong results")
     if suspect and env["triton_interpret"] == "1" and any(r["dtype"] == "bfloat16" for r in suspect):
         print("note: the Triton interpreter does not compute bf16 correctly; use fp32/fp16 on the CPU")
-    print("\nms: median GPU time; GB/s over minimal bytes (fwd: q,k,v,o; fwd+bwd: q,k,v,o,do,dq,dk,dv); "
+    print("\nms: median GPU time; host ms: CPU time to enqueue one eager call (an eager loop is host-bound where it "
+          "exceeds the GPU time); GB/s over minimal bytes (fwd: q,k,v,o; fwd+bwd: q,k,v,o,do,dq,dk,dv); "
           "% copy: of the copy bandwidth above; peak: extra allocated memory during one call; "
           "err: max|x - ref| / max|ref| vs float64 (grads: worst of dq, dk, dv, dbias_table)")
     result = dict(env=env, copy_gbs=copy_gbs, args={k: (str(v) if isinstance(v, Path) else v)
