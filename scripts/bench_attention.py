@@ -7,7 +7,10 @@ on window-layout inputs q, k, v of shape (B * num_windows, heads, L, head_dim):
   broadcast over the images, softmax, @ v;
 * ``sdpa``: timm's fused path: bias and mask added into ONE materialised (B * num_windows, heads, L, L)
   tensor passed as attn_mask to F.scaled_dot_product_attention;
-* ``flash_window``: our Triton kernel (kernels.flash_window.flash_window_attention), mask computed in-kernel.
+* ``flash_window``: our Triton kernel (kernels.flash_window.flash_window_attention) as the model calls it: the
+  gathered (heads, L, L) bias and the four mask classes (swin.windows.mask_classes), mask added in-kernel;
+* ``paper``: the Flash Window Attention paper's public kernel where it is importable (FWA_PAPER_PATH), on
+  unshifted shapes only (it has no mask).
 
 The bias table is a float32 leaf parameter that requires grad (its gradient is part of every timed
 backward). By default half-precision runs under torch.autocast, as the model runs in training (float32

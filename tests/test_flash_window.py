@@ -100,12 +100,15 @@ def test_window_op_matches_float64(case):
     check_window_op(*case)
 
 
-@pytest.mark.parametrize("sets", ["0", "1", "3"])
-def test_window_op_programs_loop_over_windows(sets, monkeypatch):
-    """One program per window (0), one looping over all windows (1) and three sharing them: same numbers
-    (forward and backward; on the interpreter the knob is programs per head)."""
+@pytest.mark.parametrize("sets,head_minor", [("0", "1"), ("1", "1"), ("3", "1"), ("3", "0")])
+def test_window_op_programs_loop_over_windows(sets, head_minor, monkeypatch):
+    """One program per window (0), one looping over all windows (1) and three sharing them, neighbouring programs
+    on the heads of a window or on the windows of a head: same numbers (forward and backward; on the
+    interpreter the knob is programs per head)."""
     monkeypatch.setenv("SWIN_FW_PROGRAMS_PER_SM", sets)
     monkeypatch.setenv("SWIN_FW_BWD_PROGRAMS_PER_SM", sets)
+    monkeypatch.setenv("SWIN_FW_HEAD_MINOR", head_minor)
+    monkeypatch.setenv("SWIN_FW_BWD_HEAD_MINOR", head_minor)
     check_window_op(2, (2, 3), (4, 4), (2, 2), 2, 16, torch.float32)
 
 
