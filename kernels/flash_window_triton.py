@@ -117,6 +117,33 @@ def bias_tiles_kernel(bias_ptr, sb_h, sb_m, sb_n, mask_ptr, tiles_ptr, L, NH,
 
 
 @triton.jit
+def _key_value(k_ptr, v_ptr, s_b, s_y, s_x, s_h, b, sy, sx, inwin, real, h, offs_d, HD, fill_ptr, NH,
+               HAS_FILL: tl.constexpr):
+    """K and V tiles of a window's tokens; padded image tokens take the fill (qkv bias).
+
+    Returns tiles only, never addresses or masks: torch.compile's kernel analysis counts every pointer passed
+    to a helper as reaching each of its results, so a store through a result of a helper that took k or v
+    would mark them as written (and inductor would copy them)."""
+    offs = _offsets(sy, sx, s_y, s_x, h, s_h, offs_d)
+    io = _io_mask(real, offs_d, HD)
+    k = _load_tokens(k_ptr + b * s_b, offs, io, real, inwin, fill_ptr, offs_d, HD, HAS_FILL)
+    v = _load_tokens(v_ptr + b * s_b, offs, io, real, inwin, fill_ptr + NH * HD, offs_d, HD, HAS_FILL)
+    return k, v
+
+
+@triton.jit
+def _query_rows(g, mb, offs_n, sy_n, sx_n, real_n, L, H, W, WH: tl.constexpr, WW: tl.constexpr, AGH, AGW, ASH,
+                ASW, BLOCK_M: tl.constexpr, NUM_M: tl.constexpr):
+    """Query block mb of window g: (token indices, source rows, source columns, real); one block: the keys'."""
+    if NUM_M == 1:
+        offs_m, sy, sx, real_m = offs_n, sy_n, sx_n, real_n
+    else:
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        _b, sy, sx, _inwin, real_m = _tokens(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
+    return offs_m, sy, sx, real_m
+
+
+@triton.jit
 def _softmax(q, k, bias, scale, PRECISION: tl.constexpr):
     """P = softmax(scale q k^T + bias) in fp32, rows normalised."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias
@@ -145,21 +172,15 @@ def window_attn_fwd_kernel(
     for g in tl.range(first, G, nsets, num_stages=STAGES):
         cls = _mask_class(g, MGH, MGW) if MASKED else 0
         b, sy_n, sx_n, inwin_n, real_n = _tokens(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
-        q_img = q_ptr + b * sq_b  # the window's image: 64-bit scalar bases, 32-bit offsets within the image
-        k_img = k_ptr + b * sq_b
-        v_img = v_ptr + b * sq_b
+        # the window's image: 64-bit scalar bases, 32-bit offsets within the image
+        q_img = q_ptr + b * sq_b
         o_img = o_ptr + b * so_b
-        kv_offs = _offsets(sy_n, sx_n, sq_y, sq_x, h, sq_h, offs_d)
-        kv_mask = _io_mask(real_n, offs_d, HD)
-        k = _load_tokens(k_img, kv_offs, kv_mask, real_n, inwin_n, fill_ptr, offs_d, HD, HAS_FILL)
-        v = _load_tokens(v_img, kv_offs, kv_mask, real_n, inwin_n, fill_ptr + NH * HD, offs_d, HD, HAS_FILL)
+        k, v = _key_value(k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h, b, sy_n, sx_n, inwin_n, real_n, h, offs_d, HD,
+                          fill_ptr, NH, HAS_FILL)
         for mb in range(NUM_M):
-            if NUM_M == 1:
-                offs_m, sy, sx, real_m, io_m = offs_n, sy_n, sx_n, real_n, kv_mask
-            else:
-                offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-                _b, sy, sx, _inwin, real_m = _tokens(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
-                io_m = _io_mask(real_m, offs_d, HD)
+            offs_m, sy, sx, real_m = _query_rows(g, mb, offs_n, sy_n, sx_n, real_n, L, H, W, WH, WW, AGH, AGW, ASH,
+                                                 ASW, BLOCK_M, NUM_M)
+            io_m = _io_mask(real_m, offs_d, HD)
             q = tl.load(q_img + _offsets(sy, sx, sq_y, sq_x, h, sq_h, offs_d), mask=io_m, other=0.0)
             bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, BLOCK_N)
             p = _softmax(q, k, bias, scale, PRECISION)
@@ -200,24 +221,18 @@ def window_attn_bwd_kernel(
     for g in tl.range(first, G, nsets, num_stages=STAGES):
         cls = _mask_class(g, MGH, MGW) if MASKED else 0
         b, sy_n, sx_n, inwin_n, real_n = _tokens(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
-        q_img = q_ptr + b * sq_b  # the window's image: 64-bit scalar bases, 32-bit offsets within the image
-        k_img = k_ptr + b * sq_b
-        v_img = v_ptr + b * sq_b
+        # the window's image: 64-bit scalar bases, 32-bit offsets within the image
+        q_img = q_ptr + b * sq_b
         do_img = do_ptr + b * sdo_b
         dq_img = dq_ptr + b * sdq_b
-        kv_offs = _offsets(sy_n, sx_n, sq_y, sq_x, h, sq_h, offs_d)
-        kv_mask = _io_mask(real_n, offs_d, HD)
-        k = _load_tokens(k_img, kv_offs, kv_mask, real_n, inwin_n, fill_ptr, offs_d, HD, HAS_FILL)
-        v = _load_tokens(v_img, kv_offs, kv_mask, real_n, inwin_n, fill_ptr + NH * HD, offs_d, HD, HAS_FILL)
+        k, v = _key_value(k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h, b, sy_n, sx_n, inwin_n, real_n, h, offs_d, HD,
+                          fill_ptr, NH, HAS_FILL)
         dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         for mb in range(NUM_M):
-            if NUM_M == 1:
-                offs_m, sy, sx, io_m = offs_n, sy_n, sx_n, kv_mask
-            else:
-                offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-                _b, sy, sx, _inwin, real_m = _tokens(g, offs_m, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
-                io_m = _io_mask(real_m, offs_d, HD)
+            offs_m, sy, sx, real_m = _query_rows(g, mb, offs_n, sy_n, sx_n, real_n, L, H, W, WH, WW, AGH, AGW, ASH,
+                                                 ASW, BLOCK_M, NUM_M)
+            io_m = _io_mask(real_m, offs_d, HD)
             q = tl.load(q_img + _offsets(sy, sx, sq_y, sq_x, h, sq_h, offs_d), mask=io_m, other=0.0)
             do = tl.load(do_img + _offsets(sy, sx, sdo_y, sdo_x, h, sdo_h, offs_d), mask=io_m, other=0.0)
             bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, BLOCK_N)
@@ -236,6 +251,7 @@ def window_attn_bwd_kernel(
                 tl.store(ptrs, tl.load(ptrs) + ds)
         dk = dk * scale
         d_offs = _offsets(sy_n, sx_n, sdq_y, sdq_x, h, sdq_h, offs_d)
+        kv_mask = _io_mask(real_n, offs_d, HD)
         tl.store(dk_ptr + b * sdq_b + d_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(dv_ptr + b * sdq_b + d_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
         if HAS_FILL:  # padded tokens hold the qkv bias: their k/v gradients flow to it
