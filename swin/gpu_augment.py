@@ -511,7 +511,7 @@ def eval_geometry(height: int, width: int, spec: EvalSpec) -> tuple[tuple[int, i
 def resize_like_pil(img: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
     """Antialiased resize of a (1, 3, h, w) float image as PIL does it for 8-bit images: a horizontal pass, then a
     vertical one, each rounded and clipped to 0..255 (one float pass instead differs by up to ~5 levels at edges
-    where bicubic overshoots; two passes agree with PIL to within 1 level on a few pixels in 10,000)."""
+    where bicubic overshoots; two passes agree with PIL but for 1-level differences on a few pixels in 10,000)."""
     if mode == "nearest-exact":
         return F.interpolate(img, size=size, mode=mode)
     if img.shape[-1] != size[1]:

@@ -355,15 +355,16 @@ class GpuDecodeLoader:
         batches = iter(self.loader)  # here, in the main thread: worker processes are forked from it
         st = _Stages()
 
-        def run(fn: Any, *args: Any) -> None:
+        def run(stage: Any, out: queue.Queue, *args: Any) -> None:
             try:
-                fn(*args)
-            except BaseException as e:  # handed to the consumer, raised there
-                _put(st.decoded if fn is self._decode_stage else st.ready, _Failure(e), st.stop)
+                stage(*args)
+            except BaseException as e:  # passed down the pipeline in order, raised by the consumer
+                _put(out, _Failure(e), st.stop)
 
-        st.threads = [threading.Thread(target=run, args=(self._decode_stage, batches, st), daemon=True,
+        st.threads = [threading.Thread(target=run, args=(self._decode_stage, st.decoded, batches, st), daemon=True,
                                        name="swin-decode"),
-                      threading.Thread(target=run, args=(self._augment_stage, st), daemon=True, name="swin-augment")]
+                      threading.Thread(target=run, args=(self._augment_stage, st.ready, st), daemon=True,
+                                       name="swin-augment")]
         for t in st.threads:
             t.start()
         return st
