@@ -441,6 +441,15 @@ def _pack(plan: BatchPlan) -> tuple[np.ndarray, list[tuple[int, int, np.ndarray]
     return np.concatenate(rows), layout, 0, offset
 
 
+def indexed(device: torch.device | str) -> torch.device:
+    """``cuda`` as ``cuda:<current device>``: tensors report an index (constants cached per device must match), and
+    torch.cuda.set_device refuses a device without one."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(array)
     if device.type == "cuda":  # pinned (the caching host allocator keeps it until the copy is done): asynchronous
@@ -458,7 +467,7 @@ class TrainTransform:
         self._consts: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     def to(self, device: torch.device) -> TrainTransform:
-        device = torch.device(device)
+        device = indexed(device)
         if device not in self._consts:
             smooth = torch.tensor([[1.0, 1.0, 1.0], [1.0, 5.0, 1.0], [1.0, 1.0, 1.0]]) / 13
             self._consts[device] = {"smooth": smooth.view(1, 1, 3, 3).to(device),
@@ -543,5 +552,5 @@ class EvalTransform:
 
 
 __all__ = ["BatchPlan", "EvalSpec", "EvalTransform", "RandAugmentSpec", "TrainSpec", "TrainTransform", "apply_op",
-           "eval_geometry", "eval_spec", "parse_rand_augment", "plan_batch", "rand_augment_args", "resize_like_pil",
-           "resized_crops", "sample_crop_boxes", "train_spec"]
+           "eval_geometry", "eval_spec", "indexed", "parse_rand_augment", "plan_batch", "rand_augment_args",
+           "resize_like_pil", "resized_crops", "sample_crop_boxes", "train_spec"]

@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .data import CorruptImageError, ResumableDistributedSampler, _Normalize
-from .gpu_augment import EvalTransform, TrainTransform
+from .gpu_augment import EvalTransform, TrainTransform, indexed
 
 # torchvision 0.29 deprecates its image codecs in favour of TorchCodec (they still work, and 0.26 on the GPU
 # machine has no warning); one warning per decode call would flood the log
@@ -279,7 +279,8 @@ class GpuDecodeLoader:
     def __init__(self, loader: DataLoader, device: torch.device, transform: TrainTransform | EvalTransform,
                  normalize: _Normalize, sampler: ResumableDistributedSampler | None = None, seed: int = 0,
                  rank: int = 0, skip_corrupt: bool = False):
-        self.loader, self.device, self.normalize, self.sampler = loader, torch.device(device), normalize, sampler
+        # with its index: the worker threads set it as their current device (set_device refuses a bare "cuda")
+        self.loader, self.device, self.normalize, self.sampler = loader, indexed(device), normalize, sampler
         self.transform = transform.to(self.device)
         self.decoder = JpegDecoder(self.device, skip_corrupt)
         self.batch_size = loader.batch_size or 1

@@ -412,6 +412,19 @@ def test_gpu_decode_loader_order_resume_early_stop_and_errors(photos, tmp_path):
     assert threading.active_count() == threads
 
 
+def test_loader_threads_get_an_indexed_cuda_device(monkeypatch):
+    """device=auto gives torch.device("cuda") without an index: the loader's threads call torch.cuda.set_device,
+    which refuses that, and the transform's constants are looked up by the images' (indexed) device."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert ga.indexed("cuda") == torch.device("cuda", 3) and ga.indexed("cuda:1") == torch.device("cuda", 1)
+    assert ga.indexed("cpu") == torch.device("cpu")
+    dl = DataLoader([], batch_size=2, collate_fn=collate_encoded)
+    norm = _Normalize(torch.device("cpu"), None, None)
+    monkeypatch.setattr(ga.TrainTransform, "to", lambda self, device: self)  # no GPU here to put constants on
+    loader = GpuDecodeLoader(dl, torch.device("cuda"), ga.TrainTransform(ga.TrainSpec((8, 8))), norm)
+    assert loader.device == torch.device("cuda", 3) and loader.decoder.device == torch.device("cuda", 3)
+
+
 def test_train_py_with_gpu_decoding_on_the_cpu(photos, tmp_path):
     """train.py with data.decode=gpu and the ImageNet recipe (RandAugment, random erasing, mixup/cutmix) on a JPEG
     folder with a CMYK file, a PNG named .JPEG and a garbage file, two loader workers: trains, counts and logs."""
