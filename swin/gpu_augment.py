@@ -475,6 +475,11 @@ class TrainTransform:
                                     .to(device)}
         return self
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the dataset holds this transform: loader workers started by spawn/forkserver get it pickled, and must not
+        # receive (and initialise CUDA for) the device constants
+        return {**self.__dict__, "_consts": {}}
+
     def plan(self, sizes: Sequence[tuple[int, int]], rng: np.random.Generator) -> BatchPlan:
         return plan_batch(self.spec, sizes, rng)
 

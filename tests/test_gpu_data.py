@@ -425,6 +425,15 @@ def test_loader_threads_get_an_indexed_cuda_device(monkeypatch):
     assert loader.device == torch.device("cuda", 3) and loader.decoder.device == torch.device("cuda", 3)
 
 
+def test_workers_do_not_receive_device_constants():
+    """The dataset carries the transform whose device constants the loader makes; pickled for spawn/forkserver
+    workers, it leaves them behind."""
+    import pickle
+    tf = ga.TrainTransform(ga.TrainSpec((8, 8))).to("cpu")
+    assert tf._consts and pickle.loads(pickle.dumps(tf))._consts == {}
+    assert pickle.loads(pickle.dumps(tf)).spec == tf.spec
+
+
 def test_train_py_with_gpu_decoding_on_the_cpu(photos, tmp_path):
     """train.py with data.decode=gpu and the ImageNet recipe (RandAugment, random erasing, mixup/cutmix) on a JPEG
     folder with a CMYK file, a PNG named .JPEG and a garbage file, two loader workers: trains, counts and logs."""
