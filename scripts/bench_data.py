@@ -14,8 +14,8 @@
    same recipe, batches made on the device: the model's speed), with ``data.decode=cpu`` and with
    ``data.decode=gpu``; images/s and the data-wait fraction of the last epoch from summary.json, and the ratio to
    the synthetic run;
-4. eval rows: ``eval.py`` on the data.decode=gpu run's checkpoint with each decode path (top-1, top-5, loss):
-   the two must agree (same resize and crop; only JPEG decoding differs).
+4. eval rows (right after the data.decode=gpu train row): ``eval.py`` on that run's checkpoint with each decode
+   path (top-1, top-5, loss): the two must agree (same resize and crop; only JPEG decoding differs).
 
 Rows not started within ``time_budget_s`` are skipped; bench_data.json and bench_data.md (a table) are rewritten
 after every row. Examples:
@@ -272,9 +272,12 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     if cfg.loader.enabled:
         plan += [("loader", ("cpu", workers(w))) for w in cfg.loader.cpu_workers]
         plan += [("loader", ("gpu", workers(cfg.loader.gpu_workers)))]
-    plan += [("train", name) for name in cfg.train.rows]
-    if cfg.eval.enabled:
-        plan += [("eval", "cpu"), ("eval", "gpu")]
+    for name in cfg.train.rows:  # the eval rows need the data.decode=gpu run's checkpoint: right after it
+        plan += [("train", name)]
+        if name == "gpu" and cfg.eval.enabled:
+            plan += [("eval", "cpu"), ("eval", "gpu")]
+    if cfg.eval.enabled and "gpu" not in cfg.train.rows:
+        plan += [("eval", "cpu"), ("eval", "gpu")]  # skipped with a reason: no checkpoint
     for kind, what in plan:
         left = cfg.time_budget_s - (time.perf_counter() - started) if cfg.time_budget_s else None
         label = f"{kind} {what}"

@@ -73,14 +73,14 @@ case "${1:-}" in
     done
     python scripts/loop_report.py "$OUT" | tee "$OUT/loop.md" ;;
   data)
-    # each part bounded so that the stage fits one 10-minute call: tests <= 100 s, the benchmark <= ~460 s
-    # (rows not started after DATA_BUDGET_S are skipped; a running train.py/eval.py is stopped at the budget)
-    timeout 100 python -m pytest -q -m gpu --durations=5 tests/test_gpu_data.py tests/test_data.py 2>&1 \
+    # each part bounded so that the stage fits one 10-minute call: tests <= 90 s, the benchmark <= 470 s (rows not
+    # started after DATA_BUDGET_S are skipped; a running train.py/eval.py is stopped at the budget); ~6-7 min expected
+    timeout 90 python -m pytest -q -m gpu --durations=5 tests/test_gpu_data.py tests/test_data.py 2>&1 \
       | tee "$OUT/gpu_data_tests.txt"
     # run dirs (checkpoints) stay in /tmp; their summary.json and train.log are copied to $OUT/data/runs
     R=/tmp/bench_data; rm -rf "$R/runs"
-    timeout 500 python scripts/bench_data.py out_dir="$OUT/data" runs_dir="$R/runs" generate.dir="$R/fakenet" \
-      time_budget_s=${DATA_BUDGET_S:-440} 2>&1 | tee "$OUT/bench_data.txt"
+    timeout 470 python scripts/bench_data.py out_dir="$OUT/data" runs_dir="$R/runs" generate.dir="$R/fakenet" \
+      time_budget_s=${DATA_BUDGET_S:-430} 2>&1 | tee "$OUT/bench_data.txt"
     for d in "$R"/runs/train_*; do
       [ -d "$d" ] && mkdir -p "$OUT/data/runs/${d##*/}" && cp "$d/summary.json" "$d/train.log" "$OUT/data/runs/${d##*/}/" 2>/dev/null
     done
