@@ -157,6 +157,7 @@ def eval_spec(cfg: Any, img_size: Any) -> EvalSpec:
         raise ValueError(f"data.crop_pct={cfg.crop_pct}: data.decode=gpu needs 0 < crop_pct <= 1 (no padding); "
                          "use data.decode=cpu")
     interpolation = _check_interpolation(cfg.interpolation)
+    # 'random' is a training choice; timm's eval transform has no such mode (the CPU path raises on it)
     return EvalSpec(size[0], float(cfg.crop_pct), "bicubic" if interpolation == "random" else interpolation)
 
 
