@@ -8,11 +8,15 @@
 #   bash scripts/gpu_session.sh loop      # train.py against its own model step: compiled model step (benchmark),
 #                                         # train.py on synthetic data compiled and eager, and the ImageNet recipe on
 #                                         # a generated JPEG folder (~7 min on an H100); table in $OUT/loop.md
+#   bash scripts/gpu_session.sh data      # GPU JPEG decoding (issue 15): the data pipeline's GPU tests, then
+#                                         # scripts/bench_data.py on a generated ImageNet-shaped folder: loader img/s
+#                                         # (CPU workers 1/4/all, nvJPEG), train.py with each and on synthetic data,
+#                                         # eval.py top-1 with each decode path; table in $OUT/data/bench_data.md
 # Hydra is missing on the device machine: carry .whl (../shared/device-wheels/, see its README).
 set -uo pipefail
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base|loop) ;;
-  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|loop" >&2; exit 2 ;;
+  tests|kernel|e2e|e2e-base|loop|data) ;;
+  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|loop|data" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
@@ -73,4 +77,17 @@ case "${1:-}" in
       mkdir -p "$OUT/loop_$d" && cp "$R/$d/summary.json" "$R/$d/train.log" "$OUT/loop_$d/" 2>/dev/null
     done
     python scripts/loop_report.py "$OUT" | tee "$OUT/loop.md" ;;
+  data)
+    # each part bounded so that the stage fits one 10-minute call: tests <= 90 s, the benchmark <= 470 s (rows not
+    # started after DATA_BUDGET_S are skipped; a running train.py/eval.py is stopped at the budget); ~6-7 min expected
+    timeout 90 python -m pytest -q -m gpu --durations=5 tests/test_gpu_data.py tests/test_data.py 2>&1 \
+      | tee "$OUT/gpu_data_tests.txt"
+    # run dirs (checkpoints) stay in /tmp; their summary.json and train.log are copied to $OUT/data/runs
+    R=/tmp/bench_data; rm -rf "$R/runs"
+    timeout 470 python scripts/bench_data.py out_dir="$OUT/data" runs_dir="$R/runs" generate.dir="$R/fakenet" \
+      time_budget_s=${DATA_BUDGET_S:-430} 2>&1 | tee "$OUT/bench_data.txt"
+    for d in "$R"/runs/train_*; do
+      [ -d "$d" ] && mkdir -p "$OUT/data/runs/${d##*/}" && cp "$d/summary.json" "$d/train.log" "$OUT/data/runs/${d##*/}/" 2>/dev/null
+    done
+    cp "$R"/runs/eval_*.json "$OUT/data/runs/" 2>/dev/null; true ;;
 esac

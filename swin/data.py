@@ -8,6 +8,9 @@ The data path is timm's ``create_loader(use_prefetcher=True)``: folder datasets 
 uint8 tensor (4x less to collate, pin and copy than float32), and :class:`DeviceLoader` copies each batch
 to the GPU on a side stream one batch ahead (pinned memory, non_blocking), then normalises it and applies
 random erasing there, so the copy and the preprocessing overlap the previous step instead of delaying it.
+
+With ``data.decode=gpu`` (folder datasets) the workers only read the JPEG files; swin.gpu_data decodes and
+augments the batches on the device instead (:func:`folder_split` and the loader builders choose).
 """
 from __future__ import annotations
 
@@ -119,10 +122,55 @@ class CheckedImageFolder(Dataset):
         return self.transform(img), target
 
 
-def folder_datasets(cfg: Any, img_size: tuple[int, int]) -> Datasets:
-    """`<root>/<train_dir>/<class>/*` and `<root>/<val_dir>/<class>/*` with timm's transforms."""
+DECODE_MODES = ("cpu", "gpu")
+
+
+def decode_mode(cfg: Any) -> str:
+    """``data.decode``: cpu (PIL and timm's transforms in the loader workers; the default) or gpu (workers read
+    the files, swin.gpu_data decodes and augments on the training device). ValueError for anything else."""
+    mode = cfg.get("decode", "cpu")
+    if mode not in DECODE_MODES:
+        raise ValueError(f"data.decode={mode!r}: use cpu (decode and augment in the loader workers) or gpu (nvJPEG "
+                         "decode and augmentation on the training device)")
+    if mode == "gpu" and cfg.name not in ("imagefolder", "imagenet"):
+        raise ValueError(f"data.decode=gpu decodes JPEG folders (data=imagenet or data=imagefolder), not "
+                         f"data={cfg.name}; drop data.decode")
+    return mode
+
+
+def check_decode(cfg: Any, img_size: Any) -> None:
+    """Raise ValueError (naming the data.* key) for what data.decode=gpu cannot do, before any work."""
+    if decode_mode(cfg) == "gpu":
+        from .gpu_augment import eval_spec, train_spec
+        train_spec(cfg, img_size)
+        eval_spec(cfg, img_size)
+
+
+def folder_split(cfg: Any, root: Path, img_size: tuple[int, int], train: bool) -> Dataset:
+    """One split of a folder dataset with the data config's training or evaluation transforms: in the workers
+    (CheckedImageFolder, data.decode=cpu) or, described, for the device (EncodedImageFolder, data.decode=gpu)."""
+    if decode_mode(cfg) == "gpu":
+        from .gpu_augment import EvalTransform, TrainTransform, eval_spec, train_spec
+        from .gpu_data import EncodedImageFolder
+        tf = TrainTransform(train_spec(cfg, img_size)) if train else EvalTransform(eval_spec(cfg, img_size))
+        return EncodedImageFolder(root, tf, cfg.skip_corrupt)
+    mean, std = tuple(cfg.mean), tuple(cfg.std)
+    if not train:
+        return CheckedImageFolder(root, eval_transform(img_size, cfg.interpolation, cfg.crop_pct, mean, std),
+                                  cfg.skip_corrupt)
     from timm.data import create_transform
 
+    # use_prefetcher=True: the transforms end in a uint8 CHW tensor; normalisation and random erasing
+    # (re_prob) run on the device in DeviceLoader, as with timm's create_loader(use_prefetcher=True)
+    train_tf = create_transform(
+        input_size=img_size, is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio), hflip=cfg.hflip,
+        color_jitter=cfg.color_jitter, auto_augment=cfg.auto_augment, interpolation=cfg.interpolation,
+        mean=mean, std=std, use_prefetcher=True)
+    return CheckedImageFolder(root, train_tf, cfg.skip_corrupt)
+
+
+def folder_datasets(cfg: Any, img_size: tuple[int, int]) -> Datasets:
+    """`<root>/<train_dir>/<class>/*` and `<root>/<val_dir>/<class>/*` with timm's transforms."""
     if not cfg.root:
         raise ValueError(f"data={cfg.name} needs data.root=/path/to/dataset (with {cfg.train_dir}/ and "
                          f"{cfg.val_dir}/ folders of one sub-folder per class)")
@@ -132,15 +180,8 @@ def folder_datasets(cfg: Any, img_size: tuple[int, int]) -> Datasets:
             raise ValueError(f"data.root={root} has no {split}/ folder; point data.root at a folder with "
                              f"{cfg.train_dir}/ and {cfg.val_dir}/ sub-folders of one folder per class")
     mean, std = tuple(cfg.mean), tuple(cfg.std)
-    # use_prefetcher=True: the transforms end in a uint8 CHW tensor; normalisation and random erasing
-    # (re_prob) run on the device in DeviceLoader, as with timm's create_loader(use_prefetcher=True)
-    train_tf = create_transform(
-        input_size=img_size, is_training=True, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio), hflip=cfg.hflip,
-        color_jitter=cfg.color_jitter, auto_augment=cfg.auto_augment, interpolation=cfg.interpolation,
-        mean=mean, std=std, use_prefetcher=True)
-    val_tf = eval_transform(img_size, cfg.interpolation, cfg.crop_pct, mean, std)
-    train = CheckedImageFolder(root / cfg.train_dir, train_tf, cfg.skip_corrupt)
-    val = CheckedImageFolder(root / cfg.val_dir, val_tf, cfg.skip_corrupt)
+    train = folder_split(cfg, root / cfg.train_dir, img_size, train=True)
+    val = folder_split(cfg, root / cfg.val_dir, img_size, train=False)
     if train.classes != val.classes:
         raise ValueError(f"{root / cfg.train_dir} and {root / cfg.val_dir} have different class folders; "
                          "both splits need the same set of class sub-folders")
@@ -380,35 +421,57 @@ class SyntheticLoader:
 
 
 def build_eval_loader(val: Dataset, cfg: Any, device: torch.device, rank: int, world_size: int, batch_size: int,
-                      mean: Sequence[float] | None, std: Sequence[float] | None) -> DeviceLoader | SyntheticLoader:
+                      mean: Sequence[float] | None, std: Sequence[float] | None) -> Any:
     """This process's shard of `val` (every image exactly once over all processes, nothing padded), as
     normalised float32 batches on `device`. mean/std: the normalisation of uint8 images (None: float images)."""
     device = torch.device(device)
     norm = _Normalize(device, mean, std)
     if isinstance(val, SyntheticDataset):
         return SyntheticLoader(val, batch_size, device, norm, rank, world_size, seed=0, train=False)
+    encoded = _encoded_folder(val)
     loader = DataLoader(val, batch_size=batch_size, sampler=ShardSampler(len(val), rank, world_size),
-                        **_worker_settings(cfg, device))
+                        **_worker_settings(cfg, device, encoded is not None))
+    if encoded is not None:
+        from .gpu_data import GpuDecodeLoader
+        return GpuDecodeLoader(loader, device, encoded.device_transform, norm, skip_corrupt=encoded.skip_corrupt)
     return DeviceLoader(loader, device, norm)
 
 
-def _worker_settings(cfg: Any, device: torch.device) -> dict[str, Any]:
-    """DataLoader settings shared by the training and evaluation loaders of folder datasets."""
+def _encoded_folder(ds: Dataset) -> Any:
+    """The EncodedImageFolder (data.decode=gpu) under `ds` (maybe a Subset of it), else None."""
+    base = ds.dataset if isinstance(ds, Subset) else ds
+    if type(base).__name__ != "EncodedImageFolder":  # swin.gpu_data is imported only when it is used
+        return None
+    return base
+
+
+def _worker_settings(cfg: Any, device: torch.device, encoded: bool = False) -> dict[str, Any]:
+    """DataLoader settings shared by the training and evaluation loaders of folder datasets. Encoded batches
+    (data.decode=gpu) are not pinned: nvJPEG reads the files from host memory itself."""
     workers = cfg.get("num_workers", 0)
+    if encoded:
+        from .gpu_data import collate_encoded
+        return dict(num_workers=workers, pin_memory=False, collate_fn=collate_encoded, persistent_workers=workers > 0)
     return dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
                 persistent_workers=workers > 0)
 
 
 def build_loaders(ds: Datasets, cfg: Any, device: torch.device, rank: int, world_size: int, micro_batch: int,
-                  eval_batch: int, seed: int) -> tuple[DeviceLoader | SyntheticLoader, DeviceLoader | SyntheticLoader]:
+                  eval_batch: int, seed: int) -> tuple[Any, Any]:
     """Training loader (shuffled, drop_last, resumable: ``set_epoch(epoch, start_batch)``) and evaluation
-    loader (sharded, every image once), both yielding normalised float32 batches on `device`."""
+    loader (sharded, every image once), both yielding normalised float32 batches on `device`: DeviceLoader
+    (folders decoded in the workers, digits), swin.gpu_data.GpuDecodeLoader (data.decode=gpu) or SyntheticLoader."""
     device = torch.device(device)
     val = build_eval_loader(ds.val, cfg, device, rank, world_size, eval_batch, ds.mean, ds.std)
     train_norm = _Normalize(device, ds.mean, ds.std, ds.re_prob, ds.re_mode, ds.re_count)
     if isinstance(ds.train, SyntheticDataset):
         return SyntheticLoader(ds.train, micro_batch, device, train_norm, rank, world_size, seed, train=True), val
     sampler = ResumableDistributedSampler(ds.train, world_size, rank, shuffle=True, seed=seed)
+    encoded = _encoded_folder(ds.train)
     train = DataLoader(ds.train, batch_size=micro_batch, sampler=sampler, drop_last=True,
-                       **_worker_settings(cfg, device))
+                       **_worker_settings(cfg, device, encoded is not None))
+    if encoded is not None:
+        from .gpu_data import GpuDecodeLoader
+        return GpuDecodeLoader(train, device, encoded.device_transform, train_norm, sampler, seed=seed, rank=rank,
+                               skip_corrupt=encoded.skip_corrupt), val
     return DeviceLoader(train, device, train_norm, sampler), val

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from . import MODEL_CONFIGS, create_model
-from .data import build_datasets, build_loaders
+from .data import build_datasets, build_loaders, check_decode, decode_mode
 from .distributed import (
     DistInfo,
     all_gather_object,
@@ -139,6 +139,10 @@ def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None
             f"model.window_size={arch['window_size']} is larger than the first feature map {feat[0]}x{feat[1]} "
             f"(img_size {arch['img_size']} / patch_size {arch['patch_size']}); set model.window_size<={min(feat)} "
             "or raise model.img_size")
+    try:  # data.decode, and what data.decode=gpu cannot do (augmentations, interpolations it lacks)
+        check_decode(cfg.data, arch["img_size"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.logger.wandb.mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r}: use online, offline or disabled")
 
@@ -334,6 +338,9 @@ def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
     log.info(f"data {cfg.data.name}: {len(data.train)} train / {len(data.val)} val images, {data.num_classes} "
              f"classes; global batch {t.batch_size} = {world} x {t.accum_steps} x {micro_batch}, "
              f"{steps_per_epoch} steps/epoch")
+    if decode_mode(cfg.data) == "gpu":
+        log.info(f"data.decode=gpu: loader workers read the files; JPEG decoding (nvJPEG on CUDA) and augmentation "
+                 f"run on {device} in two threads of this process")
 
     num_classes = cfg.model.num_classes or data.num_classes
     if num_classes < data.num_classes:
@@ -569,6 +576,7 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
     bar = tqdm(total=run.steps_per_epoch, initial=run.step_in_epoch, desc=f"epoch {epoch + 1}/{t.epochs}",
                disable=not (run.dist.is_main and run.cfg.logger.progress), dynamic_ncols=True, leave=False)
     batches = iter(run.train_loader)
+    cpu_decoded_before = getattr(run.train_loader, "cpu_decoded", 0)  # data.decode=gpu: files nvJPEG cannot decode
     first, epoch_skipped, epoch_loss = run.step_in_epoch, 0, (0.0, 0)
     for step in range(run.step_in_epoch, run.steps_per_epoch):
         images, skipped = train_step(run, batches, clock)
@@ -586,12 +594,14 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
             save_checkpoint(run, "last.pt", epoch, step + 1)
     bar.close()
     run.step_in_epoch = 0
-    epoch_skipped = int(all_reduce_sum(torch.tensor(epoch_skipped, device=run.device)).item())
+    counts = torch.tensor([epoch_skipped, getattr(run.train_loader, "cpu_decoded", 0) - cpu_decoded_before],
+                          device=run.device)
+    epoch_skipped, cpu_decoded = (int(v) for v in all_reduce_sum(counts).tolist())
     run.skipped_total += epoch_skipped
     wait = clock.data_wait_fraction()
     return {"epoch": epoch + 1, "train_loss": epoch_loss[0] / max(epoch_loss[1], 1),
             "lr": run.optimizer.param_groups[0]["lr"], "images_per_sec": clock.images_per_sec(),
-            "data_wait_fraction": wait, "skipped_images": epoch_skipped}
+            "data_wait_fraction": wait, "skipped_images": epoch_skipped, "cpu_decoded_images": cpu_decoded}
 
 
 # --- evaluation -------------------------------------------------------------------------------------
@@ -638,7 +648,9 @@ def finish_epoch(run: Run, record: dict[str, Any]) -> None:
              + (f", val top1 {record['top1']:.2f}% top5 {record['top5']:.2f}%" if "top1" in record else "")
              + f", {record['images_per_sec']:.0f} img/s"
              + (f", {wait:.1%} of the time waiting for data" if wait is not None else "")
-             + (f", {record['skipped_images']} unreadable images skipped" if record["skipped_images"] else ""))
+             + (f", {record['skipped_images']} unreadable images skipped" if record["skipped_images"] else "")
+             + (f", {record['cpu_decoded_images']} images decoded on the CPU (nvJPEG cannot decode them: CMYK, "
+                "non-JPEG or damaged files)" if record.get("cpu_decoded_images") else ""))
     if run.wandb_run is not None:
         run.wandb_run.log({f"epoch/{k}": v for k, v in record.items() if v is not None}, step=run.global_step)
     save_checkpoint(run, "last.pt", epoch, 0)
@@ -671,6 +683,8 @@ def write_summary(run: Run, train_time: float) -> dict[str, Any]:
         "data_wait_fraction_mean": _mean(waits),
         "train_time_sec_this_run": train_time,
         "nonfinite_steps": run.nonfinite_total, "skipped_images": run.skipped_total,
+        # data.decode=gpu: images nvJPEG could not decode, decoded on the CPU instead (all epochs)
+        "cpu_decoded_images": sum(r.get("cpu_decoded_images", 0) for r in history),
         "amp": run.amp, "ema": bool(t.ema), "compile": bool(t.compile), "history": history,
     }
     if run.dist.is_main:

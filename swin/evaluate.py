@@ -180,10 +180,11 @@ def eval_transform_settings(model_name: str, ckpt: Any, data_cfg: Any) -> tuple[
 
 def build_eval_dataset(data_cfg: Any, img_size: Any) -> tuple[Any, int, tuple[Any, Any]]:
     """Validation split only (an ImageNet train/ folder takes long to list and is not needed), its class
-    count and (mean, std): folder images come as uint8 and are normalised on the device (swin.data)."""
+    count and (mean, std): folder images come as uint8 and are normalised on the device (swin.data); with
+    data.decode=gpu they are decoded and resized there too (swin.gpu_data)."""
     from torch.utils.data import Subset
 
-    from .data import CheckedImageFolder, build_datasets, eval_transform
+    from .data import build_datasets, folder_split
 
     if data_cfg.name in ("imagefolder", "imagenet"):
         from pathlib import Path
@@ -195,8 +196,7 @@ def build_eval_dataset(data_cfg: Any, img_size: Any) -> tuple[Any, int, tuple[An
         if not val_dir.is_dir():
             raise ValueError(f"data.root={data_cfg.root} has no {data_cfg.val_dir}/ folder of class sub-folders")
         size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
-        tf = eval_transform(size, data_cfg.interpolation, data_cfg.crop_pct, data_cfg.mean, data_cfg.std)
-        val = CheckedImageFolder(val_dir, tf, data_cfg.skip_corrupt)
+        val = folder_split(data_cfg, val_dir, size, train=False)  # decoded in the workers or on the device
         num_classes = len(val.classes)
         if data_cfg.get("val_limit"):
             val = Subset(val, range(min(data_cfg.val_limit, len(val))))
@@ -255,7 +255,8 @@ def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = N
         val, data_classes, (mean, std) = build_eval_dataset(data_cfg, model.img_size)
         if data_classes > num_classes:
             raise ValueError(f"the data has {data_classes} classes but the checkpoint's classifier {num_classes}")
-        # uint8 batches copied one ahead on a side stream and normalised on the device, as in training
+        # uint8 batches copied one ahead on a side stream and normalised on the device, as in training (or, with
+        # data.decode=gpu, JPEG files decoded and resized on the device)
         loader = build_eval_loader(val, data_cfg, dist.device, dist.rank, dist.world_size, cfg.batch_size, mean, std)
         amp = cfg.amp if cfg.amp != "auto" else ("bf16" if dist.device.type == "cuda" else "fp32")
         if dist.is_main:
@@ -267,6 +268,7 @@ def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = N
         results = {
             **{k: metrics[k] for k in ("top1", "top5", "loss", "images_per_sec", "num_images", "skipped_images",
                                        "seconds", "top5_k")},
+            "decode": data_cfg.get("decode", "cpu"), "cpu_decoded_images": getattr(loader, "cpu_decoded", 0),
             "checkpoint": str(cfg.checkpoint), "checkpoint_kind": ckpt.kind, "weights": ckpt.weights,
             "checkpoint_meta": ckpt.meta, "resized_bias_tables": len(report.resized),
             "model": model_cfg.name, "num_classes": num_classes, "img_size": list(model.img_size),

@@ -1,0 +1,554 @@
+"""data.decode=gpu (swin.gpu_data, swin.gpu_augment): the device pipeline's logic, run on the CPU and checked against
+independent references (torchvision's CPU transforms, timm's PIL RandAugment ops, PIL decoding, the decode=cpu
+path); GPU tests compare nvJPEG and the CUDA pipeline with CPU decoding and the CPU pipeline.
+
+Images are ImageNet-like JPEGs from scripts/make_imagefolder.py (smooth fields, shapes and grain, quality 90),
+drawn afresh on every run (TEST_SEED replays one).
+"""
+from __future__ import annotations
+
+import io
+import math
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _train_utils import DET, make_cfg, train_inprocess
+from conftest import RUN_SEED
+from PIL import Image
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from torch.utils.data import DataLoader
+
+from scripts.make_imagefolder import make_image
+from swin import gpu_augment as ga
+from swin.data import CorruptImageError, ResumableDistributedSampler, _Normalize, build_datasets, build_eval_loader
+from swin.engine import ConfigError, check_config
+from swin.gpu_data import (
+    EncodedImageFolder,
+    GpuDecodeLoader,
+    JpegDecoder,
+    collate_encoded,
+    jpeg_frame,
+    nvjpeg_can_decode,
+)
+
+STD_LEVELS = 255 * min(IMAGENET_DEFAULT_STD)  # one uint8 level is at most 1 / STD_LEVELS after normalisation
+
+
+def _rng() -> np.random.Generator:
+    return np.random.default_rng(int(torch.randint(0, 2**31, ()).item()))
+
+
+def _jpeg(img: Image.Image, **save: object) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", **({"quality": 90} | save))
+    return buf.getvalue()
+
+
+def _pil_rgb(data: bytes) -> torch.Tensor:
+    with Image.open(io.BytesIO(data)) as img:
+        return torch.from_numpy(np.asarray(img.convert("RGB")).copy()).permute(2, 0, 1)
+
+
+@pytest.fixture(scope="module")
+def photos() -> list[Image.Image]:
+    """Eight ImageNet-like RGB images (~500 x 375, both orientations), fresh per run."""
+    seeds = np.random.default_rng(RUN_SEED).integers(0, 2**31, 8)
+    return [make_image(int(s) % 5, 5, int(s)) for s in seeds]
+
+
+def _decode_cpu(blobs: list[bytes]) -> list[torch.Tensor]:
+    return JpegDecoder(torch.device("cpu"), skip_corrupt=False).device_decode(
+        [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs])
+
+
+def _levels(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.to(torch.int32) - b.to(torch.int32)).abs()
+
+
+# --- files and headers --------------------------------------------------------------------------------------
+def test_jpeg_headers_route_files_nvjpeg_cannot_decode_to_the_cpu(photos):
+    img = photos[0]
+    w, h = img.size
+    png = io.BytesIO()
+    img.save(png, format="PNG")
+    cases = {"baseline": (_jpeg(img), (0xC0, 8, h, w, 3), True),
+             "progressive": (_jpeg(img, progressive=True), (0xC2, 8, h, w, 3), True),
+             "grey": (_jpeg(img.convert("L")), (0xC0, 8, h, w, 1), True),
+             "cmyk": (_jpeg(img.convert("CMYK")), (0xC0, 8, h, w, 4), False),
+             "png": (png.getvalue(), None, False),
+             "garbage": (b"\xff\xd8\xff\xe0 not really a jpeg", None, False),
+             "empty": (b"", None, False)}
+    for name, (data, frame, gpu) in cases.items():
+        assert jpeg_frame(data) == frame, name
+        assert nvjpeg_can_decode(data) is gpu, name
+
+
+# --- crop boxes ---------------------------------------------------------------------------------------------
+def test_crop_boxes_follow_torchvision_get_params():
+    """Valid boxes with torchvision's RandomResizedCrop.get_params distribution (area, aspect ratio, position), and
+    exactly its centred fallback where no box fits."""
+    from torchvision.transforms import RandomResizedCrop
+    rng = _rng()
+    scale, ratio = (0.08, 1.0), (3 / 4, 4 / 3)
+    h, w = int(rng.integers(200, 600)), int(rng.integers(200, 600))
+    n = 3000
+    boxes = ga.sample_crop_boxes(np.tile([h, w], (n, 1)), scale, ratio, rng)
+    top, left, bh, bw = boxes.T
+    assert (top >= 0).all() and (left >= 0).all() and (top + bh <= h).all() and (left + bw <= w).all()
+    assert (bh > 0).all() and (bw > 0).all()
+    ref = np.array([RandomResizedCrop.get_params(torch.empty(3, h, w), list(scale), list(ratio)) for _ in range(n)])
+
+    def stats(b: np.ndarray) -> np.ndarray:  # area fraction, log aspect, relative position of the box centre
+        t, l_, bh_, bw_ = b.T.astype(float)
+        return np.stack([bh_ * bw_ / (h * w), np.log(bw_ / bh_), (t + bh_ / 2) / h, (l_ + bw_ / 2) / w], axis=1)
+
+    ours, theirs = stats(boxes), stats(ref)
+    se = np.sqrt(ours.var(axis=0) / n + theirs.var(axis=0) / n)
+    assert (np.abs(ours.mean(axis=0) - theirs.mean(axis=0)) < 5 * se).all(), (ours.mean(0), theirs.mean(0), se)
+    assert (np.abs(ours.std(axis=0) - theirs.std(axis=0)) < 0.1 * theirs.std(axis=0) + 1e-3).all()
+    # no attempt fits a 30-pixel-high strip: the centred fallback, deterministic in both
+    for size in ((30, 2000), (2000, 30), (40, 45)):
+        got = ga.sample_crop_boxes(np.array([size]), (0.9, 1.0), (0.99, 1.01), rng)[0].tolist()
+        want = list(RandomResizedCrop.get_params(torch.empty(3, *size), [0.9, 1.0], [0.99, 1.01]))
+        if size != (40, 45):
+            assert got == want, size
+        else:  # a box fits here: any fitting box
+            assert got[2] * got[3] >= 0.9 * 40 * 45 * 0.95 and got[0] + got[2] <= 40 and got[1] + got[3] <= 45
+
+
+# --- training crops, flips and normalisation ----------------------------------------------------------------
+@pytest.mark.parametrize("interpolation", ["bicubic", "bilinear"])
+def test_training_crops_flips_and_normalisation_match_torchvision(photos, interpolation):
+    """The device path (decode, crop + resize, flip, normalise) against torchvision's CPU transforms on the same
+    crop boxes and flips: resized_crop (torchvision's uint8 resize equals PIL's, i.e. timm's path), horizontal_flip,
+    to_dtype + normalize. One float resize pass instead of PIL's two fixed-point ones: bicubic within a few levels
+    where it overshoots, ~0.2 levels on average; bilinear within 1 level."""
+    from torchvision.transforms.v2 import InterpolationMode
+    from torchvision.transforms.v2 import functional as TF
+    blobs = [_jpeg(p) for p in photos]
+    images = _decode_cpu(blobs)
+    tf = ga.TrainTransform(ga.TrainSpec(size=(224, 224), hflip=0.5, interpolation=interpolation))
+    plan = tf.plan([tuple(i.shape[-2:]) for i in images], _rng())
+    plan.flips[:2] = [True, False]  # both kinds in every run
+    norm = _Normalize(torch.device("cpu"), IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
+    got = norm(tf.apply(images, plan))
+    mode = InterpolationMode.BICUBIC if interpolation == "bicubic" else InterpolationMode.BILINEAR
+    for k, data in enumerate(blobs):
+        top, left, h, w = plan.boxes[k].tolist()
+        ref = TF.resized_crop(_pil_rgb(data), top, left, h, w, [224, 224], interpolation=mode, antialias=True)
+        if plan.flips[k]:
+            ref = TF.horizontal_flip(ref)
+        ref = TF.normalize(TF.to_dtype(ref, torch.float32, scale=True), IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
+        diff = (got[k] - ref).abs() * STD_LEVELS  # in uint8 levels (at least)
+        assert diff.mean() < 0.35, (k, diff.mean())
+        assert diff.max() <= (8 if interpolation == "bicubic" else 1.5), (k, diff.max())
+        assert (diff > 1.5).float().mean() < 0.01
+        unflipped = (got[k] - ref.flip(-1)).abs().mean() * STD_LEVELS
+        assert unflipped > 5 * diff.mean() + 1  # the flip is seen: the other orientation is far off
+
+
+# --- RandAugment --------------------------------------------------------------------------------------------
+def test_rand_augment_strings_parse_like_timm():
+    assert ga.parse_rand_augment("rand-m9-mstd0.5-inc1") == ga.RandAugmentSpec(
+        magnitude=9, num_layers=2, prob=0.5, magnitude_std=0.5, magnitude_max=10, increasing=True)
+    spec = ga.parse_rand_augment("rand-m7-n3-p0.7-mmax12-mstd101")
+    assert (spec.magnitude, spec.num_layers, spec.prob, spec.magnitude_max) == (7, 3, 0.7, 12)
+    assert spec.magnitude_std == math.inf and not spec.increasing
+    for bad in ("augmix-m5", "rand-m9-tweights", "original"):
+        with pytest.raises(ValueError, match="data.decode=gpu"):
+            ga.parse_rand_augment(bad)
+
+
+_GEOMETRIC = ("Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
+_TIMM_INCREASING = {"Posterize", "Solarize", "Color", "Contrast", "Brightness", "Sharpness"}
+
+
+def _timm_reference(img: Image.Image, name: str, level: float, sign: float, increasing: bool, resample: int,
+                    monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    """timm's own op on PIL, with timm's level -> argument rule; its random sign forced to `sign`."""
+    from timm.data import auto_augment as aa
+    timm_name = name + "Increasing" if increasing and name in _TIMM_INCREASING else name
+    # timm negates when random.random() > 0.5
+    monkeypatch.setattr(aa.random, "random", lambda: 0.9 if sign < 0 else 0.1)
+    level_fn = aa.LEVEL_TO_ARG[timm_name]
+    args = level_fn(level, {"translate_pct": 0.45}) if level_fn else ()
+    out = aa.NAME_TO_OP[timm_name](img, *args, fillcolor=(124, 116, 104), resample=resample)
+    monkeypatch.undo()
+    return torch.from_numpy(np.asarray(out).copy()).permute(2, 0, 1)
+
+
+@pytest.mark.parametrize("increasing", [True, False])
+def test_rand_augment_ops_match_timm_pil_ops(photos, increasing, monkeypatch):
+    """Every op at a random magnitude and sign against timm's PIL op with timm's argument rule: pointwise and
+    enhancement ops to within 1 level (float vs PIL arithmetic), bilinear rotations/shears/translations to within
+    1 level but for rare pixels on the image edge (the geometry and edge rule are PIL's), nearest ones but for
+    pixels on cell edges, bicubic ones close on average (grid_sample's bicubic kernel is a = -0.75, PIL's affine
+    bicubic a = -1)."""
+    rng = _rng()
+    crops = [p.resize((96, 80)) for p in photos[:4]] + [Image.new("RGB", (96, 80), (90, 90, 200))]  # + a flat one
+    x = torch.stack([torch.from_numpy(np.asarray(c).copy()).permute(2, 0, 1) for c in crops])
+    consts = ga.TrainTransform(ga.TrainSpec(size=(80, 96))).to("cpu")._consts[torch.device("cpu")]
+    for name in ga.RA_OPS:
+        level, sign = float(rng.uniform(0, 10)), float(rng.choice([-1.0, 1.0]))
+        if name == "Posterize":  # 0 bits (inc: level 10; else level < 2.5): Pillow >= 12 refuses; ours: black
+            level = min(level, 9.99) if increasing else max(level, 2.5)
+        modes = [("bilinear", Image.BILINEAR), ("bicubic", Image.BICUBIC), ("nearest", Image.NEAREST)]
+        for mode, resample in modes if name in _GEOMETRIC else modes[:1]:
+            op, args = ga.rand_augment_args(name, np.full(len(crops), level), np.full(len(crops), sign), increasing,
+                                            (80, 96))
+            if name in _GEOMETRIC:
+                op = {"bilinear": ga.AFFINE_BILINEAR, "bicubic": ga.AFFINE_BICUBIC, "nearest": ga.AFFINE_NEAREST}[mode]
+            got = ga.apply_op(op, x.clone(), torch.tensor(args, dtype=torch.float32), consts)
+            want = torch.stack([_timm_reference(c, name, level, sign, increasing, resample, monkeypatch)
+                                for c in crops])
+            diff = _levels(got, want).float()
+            label = f"{name} level {level:.2f} sign {sign} {mode}"
+            if mode == "bicubic":
+                assert diff.mean() < 1.5 and torch.quantile(diff, 0.99) <= 8, (label, diff.mean())
+            elif mode == "nearest":  # Pillow's nearest affine path steps in 16.16 fixed point: at cell edges a
+                assert (diff > 1).float().mean() < 0.04, label  # pixel may take its neighbour (shears: up to ~2%)
+            else:  # PIL tests the image edge in double, grid_sample's grid is float32: a source point within
+                # ~1e-5 pixel of the edge may be fill on one side and image on the other (a few pixels at most)
+                assert (diff > 1).float().mean() < 1e-3 and diff.mean() < 0.05, (label, diff.max(), diff.mean())
+
+
+def test_rand_augment_draws_like_timm():
+    """Per image and layer: one of the 15 ops uniformly, applied with probability p, magnitude ~ N(9, 0.5) clipped
+    to [0, 10], a random sign; with interpolation=random the affine ops mix bilinear and bicubic."""
+    spec = ga.TrainSpec(size=(224, 224), interpolation="random",
+                        rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
+    n = 6000
+    plan = ga.plan_batch(spec, [(375, 500)] * n, _rng())
+    assert len(plan.layers) == 2
+    ops = np.concatenate([op for op, _ in plan.layers])
+    args = np.concatenate([a for _, a in plan.layers])
+    applied = ops != ga.IDENTITY
+    assert abs(applied.mean() - 0.5) < 0.02
+    counts = np.bincount(ops[applied], minlength=ga.NUM_OPS)
+    affine = counts[ga.AFFINE_BILINEAR] + counts[ga.AFFINE_BICUBIC]
+    assert abs(affine / applied.sum() - 5 / 15) < 0.02  # rotate, two shears, two translations
+    assert abs(counts[ga.AFFINE_BILINEAR] / affine - 0.5) < 0.05
+    for op in (ga.AUTOCONTRAST, ga.EQUALIZE, ga.INVERT, ga.POSTERIZE, ga.SOLARIZE, ga.SOLARIZE_ADD):
+        assert abs(counts[op] / applied.sum() - 1 / 15) < 0.015, op
+    # rotations: angle = 3 degrees per magnitude step, so |angle| ~ N(27, 1.5); both signs
+    theta = args[(ops == ga.AFFINE_BILINEAR) | (ops == ga.AFFINE_BICUBIC)].reshape(-1, 2, 3)
+    rot = theta[np.abs(theta[:, 0, 1]) > 0.05]
+    rot = rot[np.abs(rot[:, 0, 1] + rot[:, 1, 0]) < 1e-6]  # antisymmetric: rotations, not shears
+    angles = np.degrees(np.arctan2(rot[:, 0, 1], rot[:, 0, 0]))
+    assert abs(np.abs(angles).mean() - 27) < 0.3 and abs(np.abs(angles).std() - 1.5) < 0.3
+    assert 0.4 < (angles > 0).mean() < 0.6
+    # increasing enhancements: factor 1 +- 0.9 * magnitude / 10
+    factors = args[np.isin(ops, [ga.COLOR, ga.CONTRAST, ga.BRIGHTNESS, ga.SHARPNESS]), 0]
+    assert abs(np.abs(factors - 1).mean() - 0.81) < 0.02 and 0.4 < (factors > 1).mean() < 0.6
+
+
+def test_augment_layers_apply_each_images_own_ops(photos):
+    """The batched layers (images grouped by op, one call per op, original order restored) equal applying each
+    image's drawn ops to that image alone, in order."""
+    spec = ga.TrainSpec(size=(64, 64), interpolation="random",
+                        rand_augment=ga.parse_rand_augment("rand-m9-n3-p0.9-mstd0.5-inc1"))
+    tf = ga.TrainTransform(spec).to("cpu")
+    consts = tf._consts[torch.device("cpu")]
+    images = [torch.from_numpy(np.asarray(p).copy()).permute(2, 0, 1) for p in photos] * 3  # 24 images
+    plan = tf.plan([tuple(i.shape[-2:]) for i in images], _rng())
+    got = tf.apply(images, plan)
+    crops = ga.resized_crops(images, plan.boxes, plan.modes, spec.size)
+    for k in range(len(images)):
+        want = crops[k:k + 1].flip(-1) if plan.flips[k] else crops[k:k + 1]
+        for ops, args in plan.layers:
+            if ops[k] != ga.IDENTITY:
+                want = ga.apply_op(int(ops[k]), want, torch.tensor(args[k:k + 1], dtype=torch.float32), consts)
+        assert _levels(got[k:k + 1], want).max() <= 1, k
+
+
+def test_color_jitter_matches_torchvision_in_each_images_order(photos):
+    """data.auto_augment=null: torchvision's ColorJitter(0.4, 0.4, 0.4), factors and order drawn per image, against
+    torchvision's PIL adjust_* functions applied in that order with those factors."""
+    from torchvision.transforms import functional as TF
+    spec = ga.TrainSpec(size=(72, 72), hflip=0.0, color_jitter=(0.4, 0.4, 0.4))
+    tf = ga.TrainTransform(spec)
+    images = [torch.from_numpy(np.asarray(p).copy()).permute(2, 0, 1) for p in photos]
+    plan = tf.plan([tuple(i.shape[-2:]) for i in images], _rng())
+    assert len(plan.layers) == 3
+    got = tf.apply(images, plan)
+    crops = ga.resized_crops(images, plan.boxes, plan.modes, spec.size)
+    adjust = {ga.BRIGHTNESS: TF.adjust_brightness, ga.CONTRAST: TF.adjust_contrast, ga.COLOR: TF.adjust_saturation}
+    for k in range(len(images)):
+        order = [int(ops[k]) for ops, _ in plan.layers]
+        assert sorted(order) == sorted(adjust)  # each component once, in a random order
+        pil = TF.to_pil_image(crops[k])
+        for ops, args in plan.layers:
+            assert 0.6 <= args[k, 0] <= 1.4
+            pil = adjust[int(ops[k])](pil, float(args[k, 0]))
+        want = torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1)
+        assert _levels(got[k], want).max() <= 1, k
+
+
+# --- evaluation ---------------------------------------------------------------------------------------------
+def _write_folder(root: Path, photos: list[Image.Image], split: str, per_class: int) -> None:
+    for k, photo in enumerate(photos[:2 * per_class]):
+        d = root / split / f"class{k % 2}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{split}{k}.JPEG").write_bytes(_jpeg(photo))
+
+
+def test_eval_batches_match_the_cpu_path(photos, tmp_path):
+    """eval.py's validation data with data.decode=gpu (device pipeline on the CPU) against data.decode=cpu (PIL and
+    timm's resize + centre crop in the workers), normalised: the same resize and crop. Both decoders are
+    libjpeg-turbo (identical pixels); the resize is PIL's two passes in float instead of fixed point, so a few
+    pixels in 10,000 (at most ~0.2%, depending on the image) differ by one level."""
+    from swin.evaluate import build_eval_dataset
+    _write_folder(tmp_path, photos, "val", 4)
+    batches = {}
+    for decode in ("cpu", "gpu"):
+        cfg = make_cfg("data=imagenet", f"data.root={tmp_path}", "data.num_workers=0", f"data.decode={decode}").data
+        val, classes, (mean, std) = build_eval_dataset(cfg, 224)
+        assert classes == 2 and len(val) == 8
+        loader = build_eval_loader(val, cfg, torch.device("cpu"), 0, 1, 3, mean, std)  # batches of 3, 3, 2
+        batches[decode] = [(x, y) for x, y, _ in loader]
+    assert [x.shape[0] for x, _ in batches["gpu"]] == [3, 3, 2]
+    for (xc, yc), (xg, yg) in zip(batches["cpu"], batches["gpu"]):
+        assert torch.equal(yc, yg) and xg.shape == xc.shape == (xc.shape[0], 3, 224, 224)
+        diff = (xg - xc).abs() * STD_LEVELS
+        assert diff.max() <= 1.01 and (diff > 0.01).float().mean() < 5e-3, (diff.max(), (diff > 0.01).float().mean())
+
+
+# --- undecodable files --------------------------------------------------------------------------------------
+def _odd_files(root: Path, photos: list[Image.Image]) -> dict[str, bytes]:
+    """A class folder with good JPEGs and every kind of file nvJPEG cannot decode (and two unreadable ones)."""
+    small = [p.resize((120, 90)) for p in photos[:4]]
+    png = io.BytesIO()
+    small[3].save(png, format="PNG")
+    files = {"a_good.JPEG": _jpeg(small[0]), "b_progressive.JPEG": _jpeg(small[1], progressive=True),
+             "c_cmyk.JPEG": _jpeg(small[2].convert("CMYK")), "d_png.JPEG": png.getvalue(),
+             "e_grey.JPEG": _jpeg(small[0].convert("L")), "f_truncated.JPEG": _jpeg(small[1])[:1500],
+             "g_garbage.JPEG": b"this is not an image"}
+    (root / "c0").mkdir(parents=True)
+    for name, data in files.items():
+        (root / "c0" / name).write_bytes(data)
+    return files
+
+
+class _NvjpegStandIn(JpegDecoder):
+    """CPU decoding that, like nvJPEG with a file it rejects, fails the whole batched call when any file is
+    progressive: exercises the retry-alone-then-CPU path."""
+
+    calls = 0
+
+    def device_decode(self, blobs):
+        type(self).calls += 1
+        if any(jpeg_frame(b.numpy().tobytes())[0] == 0xC2 for b in blobs):
+            raise RuntimeError("nvJPEG stand-in: unsupported stream")
+        return super().device_decode(blobs)
+
+
+def test_undecodable_files_fall_back_to_the_cpu_and_are_counted(photos, tmp_path):
+    files = _odd_files(tmp_path, photos)
+    ds = EncodedImageFolder(tmp_path, ga.EvalTransform(ga.EvalSpec(64)), skip_corrupt=True)
+    batch = collate_encoded([ds[i] for i in range(len(ds))])
+    assert batch.skipped == 1  # the garbage file: not a JPEG, not decodable by anything (dropped in the worker)
+    assert sorted(Path(batch.paths[k]).name for k in batch.decoded) == ["c_cmyk.JPEG", "d_png.JPEG"]
+    decoder = _NvjpegStandIn(torch.device("cpu"), skip_corrupt=True)
+    images, targets, skipped = decoder(batch)
+    kept = [n for n in sorted(files) if n not in ("f_truncated.JPEG", "g_garbage.JPEG")]
+    assert skipped == 2 and len(images) == len(targets) == len(kept) == 5
+    # worker-decoded CMYK and PNG, plus the progressive file the stand-in rejected: decoded on the CPU, counted
+    assert decoder.cpu_decoded == 3
+    assert sorted(Path(p).name for p in decoder.cpu_decoded_files) == ["b_progressive.JPEG", "c_cmyk.JPEG",
+                                                                       "d_png.JPEG"]
+    for name, img in zip(kept, images):
+        assert img.shape[0] == 3 and torch.equal(img, _pil_rgb(files[name])), name  # the pixels PIL gives
+    strict = EncodedImageFolder(tmp_path, ga.EvalTransform(ga.EvalSpec(64)), skip_corrupt=False)
+    with pytest.raises(CorruptImageError, match="g_garbage.JPEG"):
+        strict[len(strict) - 1]
+    no_garbage = collate_encoded([strict[i] for i in range(len(strict) - 1)])
+    with pytest.raises(CorruptImageError, match="f_truncated.JPEG.*data.skip_corrupt"):
+        _NvjpegStandIn(torch.device("cpu"), skip_corrupt=False)(no_garbage)
+
+
+# --- the loader ---------------------------------------------------------------------------------------------
+def _loader(root: Path, batch: int = 3, workers: int = 0, skip_corrupt: bool = False) -> GpuDecodeLoader:
+    spec = ga.TrainSpec(size=(32, 32), rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
+    ds = EncodedImageFolder(root, ga.TrainTransform(spec), skip_corrupt=skip_corrupt)
+    sampler = ResumableDistributedSampler(ds, 1, 0, shuffle=True, seed=3)
+    dl = DataLoader(ds, batch_size=batch, sampler=sampler, drop_last=True, num_workers=workers,
+                    collate_fn=collate_encoded, persistent_workers=workers > 0)
+    norm = _Normalize(torch.device("cpu"), IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
+    return GpuDecodeLoader(dl, torch.device("cpu"), ds.device_transform, norm, sampler, seed=5,
+                           skip_corrupt=skip_corrupt)
+
+
+def test_gpu_decode_loader_order_resume_early_stop_and_errors(photos, tmp_path):
+    root = tmp_path / "train"
+    for k, p in enumerate(photos):
+        (root / f"c{k % 3}").mkdir(parents=True, exist_ok=True)
+        (root / f"c{k % 3}" / f"{k}.JPEG").write_bytes(_jpeg(p.resize((150, 110))))
+    threads = threading.active_count()
+    loader = _loader(root)
+    loader.set_epoch(1)
+    epoch = list(loader)
+    assert len(epoch) == len(loader) == 2  # 8 images, batches of 3, last one dropped
+    order = list(loader.sampler)[:6]
+    labels = torch.tensor([loader.loader.dataset.folder.samples[i][1] for i in order])
+    assert torch.equal(torch.cat([y for _, y, _ in epoch]), labels)  # labels follow the sampler's order
+    for x, _, skipped in epoch:
+        assert x.shape == (3, 3, 32, 32) and x.dtype == torch.float32 and skipped == 0
+    loader.set_epoch(1)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(epoch, loader))  # augmentation seeded per batch
+    loader.set_epoch(1, start_batch=1)  # resuming mid-epoch: the same remaining batch
+    rest = list(loader)
+    assert len(rest) == 1 and torch.equal(rest[0][0], epoch[1][0]) and torch.equal(rest[0][1], epoch[1][1])
+    loader.set_epoch(2)
+    assert not torch.equal(next(iter(loader))[0], epoch[0][0])  # another epoch, other augmentation
+    for _ in loader:  # leaving an epoch early stops its threads
+        break
+    assert threading.active_count() == threads
+    (root / "c0" / "zz_garbage.JPEG").write_bytes(b"not an image")
+    with pytest.raises(CorruptImageError, match="zz_garbage.JPEG"):
+        list(_loader(root, batch=9))
+    assert threading.active_count() == threads
+
+
+def test_loader_threads_get_an_indexed_cuda_device(monkeypatch):
+    """device=auto gives torch.device("cuda") without an index: the loader's threads call torch.cuda.set_device,
+    which refuses that, and the transform's constants are looked up by the images' (indexed) device."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert ga.indexed("cuda") == torch.device("cuda", 3) and ga.indexed("cuda:1") == torch.device("cuda", 1)
+    assert ga.indexed("cpu") == torch.device("cpu")
+    dl = DataLoader([], batch_size=2, collate_fn=collate_encoded)
+    norm = _Normalize(torch.device("cpu"), None, None)
+    monkeypatch.setattr(ga.TrainTransform, "to", lambda self, device: self)  # no GPU here to put constants on
+    loader = GpuDecodeLoader(dl, torch.device("cuda"), ga.TrainTransform(ga.TrainSpec((8, 8))), norm)
+    assert loader.device == torch.device("cuda", 3) and loader.decoder.device == torch.device("cuda", 3)
+
+
+def test_workers_do_not_receive_device_constants():
+    """The dataset carries the transform whose device constants the loader makes; pickled for spawn/forkserver
+    workers, it leaves them behind."""
+    import pickle
+    tf = ga.TrainTransform(ga.TrainSpec((8, 8))).to("cpu")
+    assert tf._consts and pickle.loads(pickle.dumps(tf))._consts == {}
+    assert pickle.loads(pickle.dumps(tf)).spec == tf.spec
+
+
+def test_train_py_with_gpu_decoding_on_the_cpu(photos, tmp_path):
+    """train.py with data.decode=gpu and the ImageNet recipe (RandAugment, random erasing, mixup/cutmix) on a JPEG
+    folder with a CMYK file, a PNG named .JPEG and a garbage file, two loader workers: trains, counts and logs."""
+    data = tmp_path / "data"
+    files = {f"train/class{k % 2}/{k}.JPEG": _jpeg(p.resize((64, 48))) for k, p in enumerate(photos[:5])}
+    files |= {f"val/class{k}/{k}.JPEG": _jpeg(photos[5 + k].resize((48, 64))) for k in range(2)}
+    png = io.BytesIO()
+    photos[7].resize((40, 40)).save(png, format="PNG")
+    files |= {"train/class0/cmyk.JPEG": _jpeg(photos[6].resize((48, 64)).convert("CMYK")),
+              "train/class1/png.JPEG": png.getvalue(), "train/class1/garbage.JPEG": b"garbage"}
+    for name, blob in files.items():
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        (data / name).write_bytes(blob)
+    summary = train_inprocess(tmp_path / "run", *DET[:-1], "experiment=imagenet_swin_tiny", "model=swin_micro",
+                              "model.drop_path_rate=0.0", f"data.root={data}", "data.decode=gpu",
+                              "data.num_workers=2", "data.skip_corrupt=true", "train.batch_size=4",
+                              "train.epochs=1", "train.warmup_epochs=0")
+    # 8 training files = 2 batches: the garbage file dropped, CMYK and PNG decoded on the CPU by the workers
+    assert summary["skipped_images"] == 1 and summary["cpu_decoded_images"] == 2
+    assert summary["final_top1"] is not None and math.isfinite(summary["final_train_loss"])
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "data.decode=gpu" in log and "2 images decoded on the CPU" in log
+
+
+def test_decode_config_errors_name_the_value():
+    def error(*overrides: str) -> str:
+        cfg = make_cfg("data=imagenet", "data.root=/nowhere", *overrides)
+        with pytest.raises(ConfigError) as e:
+            check_config(cfg, 1, torch.device("cpu"))
+        return str(e.value)
+
+    msg = error("data.decode=nvjpeg")
+    assert "data.decode='nvjpeg'" in msg and "cpu" in msg and "gpu" in msg and "\n" not in msg
+    assert "data.auto_augment='augmix-m5'" in error("data.decode=gpu", "data.auto_augment=augmix-m5")
+    assert "data.interpolation='lanczos'" in error("data.decode=gpu", "data.interpolation=lanczos")
+    assert "hue" in error("data.decode=gpu", "data.auto_augment=null", "data.color_jitter=[0.4,0.4,0.4,0.1]")
+    check_config(make_cfg("data=imagenet", "data.root=/nowhere", "data.decode=gpu"), 1, torch.device("cpu"))
+
+
+# --- GPU ----------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_nvjpeg_matches_cpu_decoding(photos):
+    """nvJPEG (batched, on the GPU) against libjpeg-turbo on the CPU: same shapes, and within JPEG tolerance (IDCT
+    and chroma upsampling differ): mean |difference| < 2 levels per image and channel, torchvision's own criterion
+    for decode_jpeg on CUDA. Baseline 4:2:0 and 4:4:4, progressive (nvJPEG's software path) and grey files."""
+    blobs = [_jpeg(p) for p in photos[:5]] + [_jpeg(photos[5], subsampling=0), _jpeg(photos[6], progressive=True),
+                                               _jpeg(photos[7].convert("L"))]
+    gpu = JpegDecoder(torch.device("cuda"), skip_corrupt=False).device_decode(
+        [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs])
+    for k, (g, c) in enumerate(zip(gpu, _decode_cpu(blobs))):
+        assert g.is_cuda and g.dtype == torch.uint8 and g.shape == c.shape, k
+        per_channel = _levels(g.cpu(), c).float().mean(dim=(1, 2))
+        assert (per_channel < 2).all(), (k, per_channel)
+
+
+@pytest.mark.gpu
+def test_gpu_transforms_match_the_cpu_on_identical_inputs(photos):
+    """The same plan on the same decoded images, on CUDA and on the CPU: crops and every RandAugment op give the
+    same uint8 batch up to float rounding (a threshold op can turn a 1-level difference into a larger one on a
+    few pixels)."""
+    images = _decode_cpu([_jpeg(p) for p in photos]) * 4
+    spec = ga.TrainSpec(size=(224, 224), interpolation="random",
+                        rand_augment=ga.parse_rand_augment("rand-m9-n3-p0.9-mstd0.5-inc1"))
+    tf = ga.TrainTransform(spec)
+    plan = tf.plan([tuple(i.shape[-2:]) for i in images], _rng())
+    cpu = tf.apply(images, plan)
+    gpu = tf.apply([i.cuda() for i in images], plan).cpu()
+    diff = _levels(gpu, cpu).float()
+    assert diff.mean() < 0.1 and (diff > 1).float().mean() < 5e-3, (diff.mean(), (diff > 1).float().mean())
+    ev = ga.EvalTransform(ga.EvalSpec(224))
+    assert _levels(ev([i.cuda() for i in images]).cpu(), ev(images)).max() <= 1
+
+
+def _fingerprints(loader, busy: torch.Tensor | None = None) -> torch.Tensor:
+    """Per image: mean and standard deviation of the normalised image, and its label (on the device)."""
+    prints = []
+    for x, y, _ in loader:
+        if busy is not None:  # keep the consumer's stream busy: the next batches' work overlaps it
+            b = busy
+            for _ in range(10):
+                b = b @ busy / 64
+            x = x + 0 * b[0, 0]
+        prints.append(torch.stack([x.mean(dim=(1, 2, 3)), x.std(dim=(1, 2, 3)), y.float()], 1))
+        del x, y  # freed while the consumer's kernels reading them may still be queued
+    return torch.cat(prints)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path):
+    """CUDA: decode and augmentation threads on their own streams, two batches ahead, consumed on the default
+    stream while it is kept busy and frees every batch; CUDA sync debug mode 'error' catches a host sync torch
+    makes in any thread. The batches equal the CPU pipeline's on the same files (same order, seeds and plans) up to
+    nvJPEG-vs-libjpeg differences: evaluation batches' per-image mean and standard deviation within 2 levels,
+    RandAugment batches within 12 (posterize and solarize thresholds amplify 1-level decode differences)."""
+    from swin.data import build_loaders
+    root = tmp_path / "train"
+    for k in range(48):
+        d = root / f"c{k % 4}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{k}.JPEG").write_bytes(_jpeg(photos[k % len(photos)].rotate(90 * (k // 8), expand=True)))
+    cfg = make_cfg("experiment=imagenet_swin_tiny", f"data.root={tmp_path}", "data.val_dir=train",
+                   "data.decode=gpu", "data.num_workers=2", "data.reprob=0").data
+    prints = {}
+    busy = torch.randn(2048, 2048, device="cuda")
+    for device in ("cpu", "cuda"):
+        train, val = build_loaders(build_datasets(cfg, 224), cfg, torch.device(device), 0, 1, 8, 8, seed=0)
+        train.set_epoch(0)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if device == "cuda" else "default")
+        try:
+            prints[device] = [_fingerprints(loader, busy if device == "cuda" else None) for loader in (train, val)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for k, tolerance in enumerate((12, 2)):
+        got, want = prints["cuda"][k].cpu().double(), prints["cpu"][k].double()
+        assert got.shape == want.shape == (48, 3)
+        assert torch.equal(got[:, 2], want[:, 2])  # the same images in the same order
+        assert ((got[:, :2] - want[:, :2]).abs() * STD_LEVELS).max() < tolerance, k
