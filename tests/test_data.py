@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 from _train_utils import DET, image_folder, make_cfg, train_inprocess
@@ -122,6 +123,18 @@ def test_synthetic_validation_shards_cover_every_sample_once():
             seen += y.tolist()
     assert len(seen) == 23  # every sample once: 8 + 8 + 7, no padding
     assert sorted(seen) == sorted((i % 8) % 5 for i in range(23))
+
+
+def test_imagenet_randaugment_runs_at_its_strongest_posterize():
+    """The official recipe's RandAugment (increasing ops, magnitude noise) reaches level 10, where timm keeps
+    0 bits in posterize: a black image, which Pillow 12 refuses (requirements.txt pins Pillow below 12)."""
+    from PIL import Image
+    from timm.data.auto_augment import AugmentOp
+    image = Image.fromarray(torch.randint(0, 256, (16, 16, 3), dtype=torch.uint8).numpy())
+    out = AugmentOp("PosterizeIncreasing", prob=1.0, magnitude=10)(image)
+    assert torch.from_numpy(np.asarray(out)).max() == 0
+    keep_two = AugmentOp("PosterizeIncreasing", prob=1.0, magnitude=5)(image)  # 4 - int(5 / 10 * 4) = 2 bits
+    assert (torch.from_numpy(np.asarray(keep_two)) % 64 == 0).all()
 
 
 def test_data_wait_fraction_shows_a_slow_loader(tmp_path, monkeypatch):
