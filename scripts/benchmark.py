@@ -25,7 +25,7 @@ Memory and compiled graphs are freed between rows.
 Profiler mode (``profile.enabled=true``) runs a few more steps per row under torch.profiler and reports the
 fraction of step time spent in attention: GPU time of the kernels that belong to attention, per step, divided
 by the wall time per step of the same profiled steps (also: divided by all GPU busy time). A kernel belongs to
-attention if its name matches our kernels (``window_attn_*``), SDPA / softmax kernels (``fmha``,
+attention if its name matches our kernels (``window_attn_*``, ``bias_tiles_kernel``), SDPA / softmax kernels (``fmha``,
 ``flash_fwd``/``flash_bwd``, ``softmax`` but not ``log_softmax``; inductor names fused kernels after the ops
 they contain), or if the op that launched it, or one of that op's parents, is attention:
 ``swin::flash_window*`` (our op, its bias gradient reduction included), ``aten::bmm`` (only attention uses
@@ -253,8 +253,8 @@ def measure(step: Callable[[], object], batch: int, device: torch.device, warmup
                 peak_gib=_peak_gib(device))
 
 
-ATTN_KERNEL_RE = re.compile(r"window_attn_|bias_grad|fmha|flash_fwd|flash_bwd|pytorch_flash|sdpa|attention|softmax",
-                            re.IGNORECASE)
+ATTN_KERNEL_RE = re.compile(r"window_attn_|bias_tiles|bias_grad|fmha|flash_fwd|flash_bwd|pytorch_flash|sdpa"
+                            r"|attention|softmax", re.IGNORECASE)
 NOT_ATTN_KERNEL_RE = re.compile(r"log_?softmax", re.IGNORECASE)
 ATTN_OP_RE = re.compile(r"^swin::flash_window|^aten::(bmm|_softmax|_softmax_backward_data)$"
                         r"|^aten::\w*(scaled_dot_product|_attention)\w*$")
