@@ -109,17 +109,24 @@ class CheckedImageFolder(Dataset):
     def __len__(self) -> int:
         return len(self.folder.samples)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int] | None:
+    def read(self, path: str) -> Any:
+        """The file's image; any exception means the file is unreadable."""
+        return self.folder.loader(path)  # PIL open + convert("RGB"): decodes the whole file
+
+    def sample(self, image: Any, target: int, path: str) -> tuple:
+        return self.transform(image), target
+
+    def __getitem__(self, i: int) -> tuple | None:
         path, target = self.folder.samples[i]
         try:
-            img = self.folder.loader(path)  # PIL open + convert("RGB"): decodes the whole file
+            image = self.read(path)
         except Exception as e:
             if self.skip_corrupt:
                 return None
             raise CorruptImageError(
                 f"cannot read image {path} ({type(e).__name__}: {e}); fix or delete the file, "
                 "or set data.skip_corrupt=true to skip unreadable images") from None
-        return self.transform(img), target
+        return self.sample(image, target, path)
 
 
 DECODE_MODES = ("cpu", "gpu")

@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from .data import CorruptImageError, ResumableDistributedSampler, _Normalize
+from .data import CheckedImageFolder, CorruptImageError, ResumableDistributedSampler, _Normalize
 from .gpu_augment import EvalTransform, TrainTransform, indexed
 
 # torchvision 0.29 deprecates its image codecs in favour of TorchCodec (they still work, and 0.26 on the GPU
@@ -97,35 +97,21 @@ def decode_on_cpu(data: bytes) -> torch.Tensor:
 
 
 # --- workers -----------------------------------------------------------------------------------------------------
-class EncodedImageFolder(Dataset):
+class EncodedImageFolder(CheckedImageFolder):
     """An ImageFolder listing whose samples are ``(file bytes, label, path)``, or ``(decoded image, label, path)``
     for files nvJPEG cannot decode. ``device_transform`` (swin.gpu_augment) is what the loader applies on the
     device after decoding. Unreadable files raise an error naming the file, or (``skip_corrupt``) give None."""
 
     def __init__(self, root: Path, device_transform: TrainTransform | EvalTransform, skip_corrupt: bool):
-        from torchvision.datasets import ImageFolder
-        self.folder = ImageFolder(str(root))  # lists files only; nothing is opened here
-        self.device_transform, self.skip_corrupt = device_transform, skip_corrupt
+        super().__init__(root, None, skip_corrupt)  # lists files only; nothing is opened here
+        self.device_transform = device_transform
 
-    @property
-    def classes(self) -> list[str]:
-        return self.folder.classes
+    def read(self, path: str) -> bytes | torch.Tensor:
+        data = Path(path).read_bytes()
+        return data if nvjpeg_can_decode(data) else decode_on_cpu(data)
 
-    def __len__(self) -> int:
-        return len(self.folder.samples)
-
-    def __getitem__(self, i: int) -> tuple[bytes | torch.Tensor, int, str] | None:
-        path, target = self.folder.samples[i]
-        try:
-            data = Path(path).read_bytes()
-            if nvjpeg_can_decode(data):
-                return data, target, path
-            return decode_on_cpu(data), target, path
-        except Exception as e:
-            if self.skip_corrupt:
-                return None
-            raise CorruptImageError(f"cannot read image {path} ({type(e).__name__}: {e}); fix or delete the file, "
-                                    "or set data.skip_corrupt=true to skip unreadable images") from None
+    def sample(self, image: bytes | torch.Tensor, target: int, path: str) -> tuple[bytes | torch.Tensor, int, str]:
+        return image, target, path
 
 
 @dataclass
