@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from scripts.bench_attention import DTYPES, PRESETS, Problem, flash_window, make_inputs, median_ms  # noqa: E402
+from scripts.bench_attention import DTYPES, PRESETS, Problem, flash_window, host_ms, make_inputs, median_ms  # noqa: E402
 from swin.windows import relative_position_index, shifted_window_mask  # noqa: E402
 
 DEFAULT_CONFIGS = ["", "PROGRAMS_PER_SM=16", "PROGRAMS_PER_SM=64", "BWD_PROGRAMS_PER_SM=2", "BWD_PROGRAMS_PER_SM=8"]
@@ -52,34 +52,24 @@ def time_config(shape_name: str, dtype: torch.dtype, profile: bool = False) -> t
     fwd_bwd_ms = median_ms(fwd_bwd, device, warmup=10, reps=50, reset=clear_grads)
     if profile:
         print_kernels(fwd_bwd, clear_grads, shape_name)
-        print(f"host time per call, {shape_name}: forward {host_us(fwd_no_grad):.0f} us, "
-              f"forward+backward {host_us(fwd_bwd, clear_grads):.0f} us")
-        import cProfile
-        import pstats
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(20):
-            clear_grads()
-            fwd_bwd()
-        profiler.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        print(f"host time per call, {shape_name}: forward {1e3 * host_ms(fwd_no_grad):.0f} us, "
+              f"forward+backward {1e3 * host_ms(fwd_bwd, clear_grads):.0f} us")
+        print_host_profile(fwd_bwd, clear_grads)
     return fwd_ms, fwd_bwd_ms
 
 
-def host_us(fn, reset=lambda: None, reps: int = 20) -> float:
-    """CPU time to enqueue fn() (median, us) while the GPU is kept busy: above the GPU time, a call is host-bound."""
-    import statistics
-    import time
-    times = []
+def print_host_profile(fn, reset, reps: int = 20) -> None:
+    """Python functions by their own CPU time over reps calls of fn: where the host time of an eager call goes."""
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
     for _ in range(reps):
         reset()
-        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU spin: fn's launches queue behind it
-        t0 = time.perf_counter()
         fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 def print_kernels(fn, reset, label: str, reps: int = 10) -> None:
