@@ -12,11 +12,13 @@
 #                                         # scripts/bench_data.py on a generated ImageNet-shaped folder: loader img/s
 #                                         # (CPU workers 1/4/all, nvJPEG), train.py with each and on synthetic data,
 #                                         # eval.py top-1 with each decode path; table in $OUT/data/bench_data.md
+#   bash scripts/gpu_session.sh contention  # GPU decoding in worker processes vs threads beside a CUDA-graph step
+#                                         # (scripts/bench_decode_contention.py, ~3 min)
 # Hydra is missing on the device machine: carry .whl (../shared/device-wheels/, see its README).
 set -uo pipefail
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base|loop|data) ;;
-  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|loop|data" >&2; exit 2 ;;
+  tests|kernel|e2e|e2e-base|loop|data|contention) ;;
+  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|loop|data|contention" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
@@ -77,6 +79,8 @@ case "${1:-}" in
       mkdir -p "$OUT/loop_$d" && cp "$R/$d/summary.json" "$R/$d/train.log" "$OUT/loop_$d/" 2>/dev/null
     done
     python scripts/loop_report.py "$OUT" | tee "$OUT/loop.md" ;;
+  contention)
+    python scripts/bench_decode_contention.py 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
   data)
     # each part bounded so that the stage fits one 10-minute call: tests <= 90 s, the benchmark <= 470 s (rows not
     # started after DATA_BUDGET_S are skipped; a running train.py/eval.py is stopped at the budget); ~6-7 min expected

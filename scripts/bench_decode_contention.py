@@ -1,0 +1,165 @@
+"""Where should GPU JPEG decoding run: threads of the training process, or loader worker processes?
+
+Both cost the training step something, and this measures which costs less (issue 15; docs/benchmarks.md):
+- threads: the decode + augmentation pipeline needs ~45 ms of host time per batch of 128 (nvJPEG's Huffman stage
+  runs on the CPU, the per-image crops launch ~500 kernels), under the training process's GIL;
+- worker processes: no GIL shared with training, but each has its own CUDA context, and kernels of different
+  contexts time-slice the GPU (no MPS) instead of running side by side.
+
+The "training step" is a CUDA graph of GPU-bound matmuls and ~20 ms of mid-sized GEMM + GELU kernels (what a
+CUDA-graph Swin-T step looks like to the GPU: host-light). Rows: the step alone, beside 2/4/8 spawned processes that
+decode + augment batches in a loop (the way loader workers would, ending with the uint8 batch copied to the host),
+and beside 1/2 threads of this process doing the same. Columns: the step's time and the pipeline's img/s.
+
+    python scripts/bench_decode_contention.py [--jpegs 128] [--seconds 6]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import multiprocessing as mp
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+
+def make_jpegs(n: int) -> list[bytes]:
+    from make_imagefolder import make_image
+    out = []
+    for k in range(n):
+        buf = io.BytesIO()
+        make_image(k % 64, 64, k).save(buf, "JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def pipeline(jpegs: list[bytes], to_host: bool):
+    """One batch: nvJPEG decode, then the imagenet recipe's crop / flip / RandAugment on the GPU."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from swin import gpu_augment as ga
+    spec = ga.TrainSpec(size=(224, 224), interpolation="random",
+                        rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
+    transform, rng = ga.TrainTransform(spec), np.random.default_rng(0)
+    blobs = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in jpegs]
+
+    def one_batch() -> torch.Tensor:
+        x = transform(decode_jpeg(blobs, mode=ImageReadMode.RGB, device="cuda"), rng)
+        return x.cpu() if to_host else x
+    return one_batch
+
+
+def _worker(jpegs: list[bytes], stop, batches) -> None:
+    torch.cuda.set_device(0)
+    one_batch = pipeline(jpegs, to_host=True)
+    while not stop.is_set():
+        one_batch()
+        with batches.get_lock():
+            batches.value += 1
+
+
+def step_graph() -> torch.cuda.CUDAGraph:
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    act = [torch.randn(128 * 56 * 56 // 8, 384, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    w = torch.randn(384, 384, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (cuBLAS workspaces) off the capture
+        big @ big
+        torch.nn.functional.gelu(act[0] @ w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(6):
+            big @ big
+        for _ in range(60):
+            act[1].copy_(torch.nn.functional.gelu(act[0] @ w) + act[0])
+    return graph
+
+
+def step_ms(graph: torch.cuda.CUDAGraph, seconds: float) -> float:
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        graph.replay()
+        n += 1
+        if n % 4 == 0:  # keep at most a few steps queued, as a training loop does
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e3
+
+
+def beside_processes(jpegs: list[bytes], graph, processes: int, seconds: float, batch: int) -> tuple[float, float]:
+    ctx = mp.get_context("spawn")  # CUDA in a child needs spawn
+    stop, batches = ctx.Event(), ctx.Value("i", 0)
+    procs = [ctx.Process(target=_worker, args=(jpegs, stop, batches)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    while batches.value < 2 * processes:  # all started (import, CUDA context, first batches)
+        time.sleep(0.5)
+    before, start = batches.value, time.perf_counter()
+    ms = step_ms(graph, seconds)
+    rate = (batches.value - before) * batch / (time.perf_counter() - start)
+    stop.set()
+    for p in procs:
+        p.join()
+    return ms, rate
+
+
+def beside_threads(jpegs: list[bytes], graph, threads: int, seconds: float, batch: int) -> tuple[float, float]:
+    stop, counts = threading.Event(), [0] * threads
+
+    def loop(i: int) -> None:
+        one_batch, stream = pipeline(jpegs, to_host=False), torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                one_batch()
+                stream.synchronize()
+                counts[i] += 1
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for t in workers:
+        t.start()
+    while sum(counts) < 2 * threads:
+        time.sleep(0.2)
+    before, start = sum(counts), time.perf_counter()
+    ms = step_ms(graph, seconds)
+    rate = (sum(counts) - before) * batch / (time.perf_counter() - start)
+    stop.set()
+    for t in workers:
+        t.join()
+    return ms, rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jpegs", type=int, default=128, help="images per batch")
+    parser.add_argument("--seconds", type=float, default=6.0, help="timed seconds per row")
+    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    jpegs = make_jpegs(args.jpegs)
+    graph = step_graph()
+    alone = step_ms(graph, args.seconds)
+    print(f"# {torch.cuda.get_device_name()}: torch {torch.__version__}; {args.jpegs} JPEGs of "
+          f"{np.mean([len(j) for j in jpegs]) / 1e3:.0f} KB per batch\n")
+    print("| decoding beside the step | step ms | x step alone | pipeline img/s |\n|---|---|---|---|")
+    print(f"| none | {alone:.2f} | 1.00 | - |")
+    for n in args.processes:
+        ms, rate = beside_processes(jpegs, graph, n, args.seconds, args.jpegs)
+        print(f"| {n} worker processes | {ms:.2f} | {ms / alone:.2f} | {rate:,.0f} |", flush=True)
+    for n in args.threads:
+        ms, rate = beside_threads(jpegs, graph, n, args.seconds, args.jpegs)
+        print(f"| {n} threads of this process | {ms:.2f} | {ms / alone:.2f} | {rate:,.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
