@@ -4,6 +4,7 @@
 #   bash scripts/gpu_session.sh kernel    # launch sweep (SWIN_FW_* knobs), then the attention benchmark of every
 #                                         # stage shape (KERNEL_DTYPES="bf16 fp32"; the paper's kernel from .paper/)
 #   bash scripts/gpu_session.sh e2e       # Swin-T end to end: grid=compiled (CUDA graphs and default mode) with the breakdown
+#                                         # (E2E_GRID=autotune: max-autotune against reduce-overhead)
 #   E2E_MODEL=384 bash scripts/gpu_session.sh e2e-base  # Swin-B 384 (or 224) end to end, grid=best
 #   bash scripts/gpu_session.sh loop      # train.py against its own model step: compiled model step (benchmark),
 #                                         # train.py on synthetic data compiled and eager, and the ImageNet recipe on
@@ -46,7 +47,7 @@ case "${1:-}" in
       --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.txt" ;;
   e2e)
     # compiled rows, CUDA graphs and default mode for both sides, with the per-category GPU time breakdown
-    python scripts/benchmark.py grid=compiled profile.enabled=true profile.top_kernels=25 out_dir="$OUT/swin_t" \
+    python scripts/benchmark.py grid=${E2E_GRID:-compiled} profile.enabled=true profile.top_kernels=25 out_dir="$OUT/swin_t" \
       time_budget_s=${E2E_BUDGET_S:-430} ;;
   e2e-base)
     # one model per call (E2E_MODEL=224 or 384; both when unset, about 12 minutes: two device calls)
