@@ -271,7 +271,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     plan: list[tuple[str, Any]] = []
     if cfg.loader.enabled:
         plan += [("loader", ("cpu", workers(w))) for w in cfg.loader.cpu_workers]
-        plan += [("loader", ("gpu", workers(cfg.loader.gpu_workers)))]
+        plan += [("loader", ("gpu", workers(w))) for w in cfg.loader.gpu_workers]
     for name in cfg.train.rows:  # the eval rows need the data.decode=gpu run's checkpoint: right after it
         plan += [("train", name)]
         if name == "gpu" and cfg.eval.enabled:

@@ -9,8 +9,9 @@ uint8 tensor (4x less to collate, pin and copy than float32), and :class:`Device
 to the GPU on a side stream one batch ahead (pinned memory, non_blocking), then normalises it and applies
 random erasing there, so the copy and the preprocessing overlap the previous step instead of delaying it.
 
-With ``data.decode=gpu`` (folder datasets) the workers only read the JPEG files; swin.gpu_data decodes and
-augments the batches on the device instead (:func:`folder_split` and the loader builders choose).
+With ``data.decode=gpu`` (folder datasets) the workers decode and augment whole batches on the GPU instead of
+with PIL (swin.gpu_data; :func:`folder_split` and :func:`_worker_settings` choose); the batches they return are
+uint8 like the others.
 """
 from __future__ import annotations
 
@@ -133,12 +134,12 @@ DECODE_MODES = ("cpu", "gpu")
 
 
 def decode_mode(cfg: Any) -> str:
-    """``data.decode``: cpu (PIL and timm's transforms in the loader workers; the default) or gpu (workers read
-    the files, swin.gpu_data decodes and augments on the training device). ValueError for anything else."""
+    """``data.decode``: cpu (PIL and timm's transforms in the loader workers; the default) or gpu (the workers
+    decode with nvJPEG and augment on the training device: swin.gpu_data). ValueError for anything else."""
     mode = cfg.get("decode", "cpu")
     if mode not in DECODE_MODES:
-        raise ValueError(f"data.decode={mode!r}: use cpu (decode and augment in the loader workers) or gpu (nvJPEG "
-                         "decode and augmentation on the training device)")
+        raise ValueError(f"data.decode={mode!r}: use cpu (decode and augment with PIL in the loader workers) or gpu "
+                         "(the workers decode with nvJPEG and augment on the training device)")
     if mode == "gpu" and cfg.name not in ("imagefolder", "imagenet"):
         raise ValueError(f"data.decode=gpu decodes JPEG folders (data=imagenet or data=imagefolder), not "
                          f"data={cfg.name}; drop data.decode")
@@ -346,7 +347,11 @@ class DeviceLoader:
     allocating (a block the consumer freed may be handed out again by the caching allocator while kernels
     reading it are still queued). On the CPU the same steps run in order.
     Batches must be consumed on the stream that is current when the iterator is advanced.
+    Batches of GPU-decoding workers (swin.gpu_data.DeviceCollate) also name the files nvJPEG could not decode:
+    counted in ``cpu_decoded`` (the first few kept in ``cpu_decoded_files``).
     """
+
+    max_files = 20
 
     def __init__(self, loader: DataLoader, device: torch.device, normalize: _Normalize,
                  sampler: ResumableDistributedSampler | None = None):
@@ -354,6 +359,8 @@ class DeviceLoader:
         self.batch_size = loader.batch_size or 1
         self.num_batches = len(loader)  # a whole epoch, whatever set_epoch(start_batch=...) skips
         self._stream: torch.cuda.Stream | None = None
+        self.cpu_decoded = 0
+        self.cpu_decoded_files: list[str] = []
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Order of `epoch`, skipping its first `start_batch` batches on this process (resuming mid-epoch)."""
@@ -363,6 +370,10 @@ class DeviceLoader:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def _count_cpu_decoded(self, paths: list[str]) -> None:
+        self.cpu_decoded += len(paths)
+        self.cpu_decoded_files += paths[:self.max_files - len(self.cpu_decoded_files)]
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.to(self.device, non_blocking=True)
@@ -375,7 +386,9 @@ class DeviceLoader:
             # one stream for the loader's lifetime: the allocator caches blocks per stream
             self._stream = torch.cuda.Stream(device=self.device)
         pending = None
-        for x, y, skipped in self.loader:
+        for x, y, skipped, *on_cpu in self.loader:
+            if on_cpu:
+                self._count_cpu_decoded(on_cpu[0])
             if cuda:
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._stream):
@@ -435,12 +448,8 @@ def build_eval_loader(val: Dataset, cfg: Any, device: torch.device, rank: int, w
     norm = _Normalize(device, mean, std)
     if isinstance(val, SyntheticDataset):
         return SyntheticLoader(val, batch_size, device, norm, rank, world_size, seed=0, train=False)
-    encoded = _encoded_folder(val)
     loader = DataLoader(val, batch_size=batch_size, sampler=ShardSampler(len(val), rank, world_size),
-                        **_worker_settings(cfg, device, encoded is not None))
-    if encoded is not None:
-        from .gpu_data import GpuDecodeLoader
-        return GpuDecodeLoader(loader, device, encoded.device_transform, norm, skip_corrupt=encoded.skip_corrupt)
+                        **_worker_settings(cfg, device, val))
     return DeviceLoader(loader, device, norm)
 
 
@@ -452,33 +461,35 @@ def _encoded_folder(ds: Dataset) -> Any:
     return base
 
 
-def _worker_settings(cfg: Any, device: torch.device, encoded: bool = False) -> dict[str, Any]:
-    """DataLoader settings shared by the training and evaluation loaders of folder datasets. Encoded batches
-    (data.decode=gpu) are not pinned: nvJPEG reads the files from host memory itself."""
+def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, seed: int = 0) -> dict[str, Any]:
+    """DataLoader settings shared by the training and evaluation loaders of folder datasets. data.decode=gpu: the
+    workers decode and augment on `device` (swin.gpu_data.DeviceCollate), spawned when that is a GPU (a forked
+    process cannot use CUDA)."""
     workers = cfg.get("num_workers", 0)
-    if encoded:
-        from .gpu_data import collate_encoded
-        return dict(num_workers=workers, pin_memory=False, collate_fn=collate_encoded, persistent_workers=workers > 0)
-    return dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
-                persistent_workers=workers > 0)
+    settings = dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
+                    persistent_workers=workers > 0)
+    encoded = _encoded_folder(ds)
+    if encoded is not None:
+        from .gpu_data import DeviceCollate
+        settings["collate_fn"] = DeviceCollate(device, encoded.device_transform, encoded.skip_corrupt, seed)
+        if device.type == "cuda" and workers > 0:
+            settings["multiprocessing_context"] = "spawn"
+        elif device.type == "cuda":  # decoded in this process: the batches are on the device already
+            settings["pin_memory"] = False
+    return settings
 
 
 def build_loaders(ds: Datasets, cfg: Any, device: torch.device, rank: int, world_size: int, micro_batch: int,
                   eval_batch: int, seed: int) -> tuple[Any, Any]:
     """Training loader (shuffled, drop_last, resumable: ``set_epoch(epoch, start_batch)``) and evaluation
     loader (sharded, every image once), both yielding normalised float32 batches on `device`: DeviceLoader
-    (folders decoded in the workers, digits), swin.gpu_data.GpuDecodeLoader (data.decode=gpu) or SyntheticLoader."""
+    (folders, decoded in the workers with PIL or nvJPEG, and digits) or SyntheticLoader."""
     device = torch.device(device)
     val = build_eval_loader(ds.val, cfg, device, rank, world_size, eval_batch, ds.mean, ds.std)
     train_norm = _Normalize(device, ds.mean, ds.std, ds.re_prob, ds.re_mode, ds.re_count)
     if isinstance(ds.train, SyntheticDataset):
         return SyntheticLoader(ds.train, micro_batch, device, train_norm, rank, world_size, seed, train=True), val
     sampler = ResumableDistributedSampler(ds.train, world_size, rank, shuffle=True, seed=seed)
-    encoded = _encoded_folder(ds.train)
     train = DataLoader(ds.train, batch_size=micro_batch, sampler=sampler, drop_last=True,
-                       **_worker_settings(cfg, device, encoded is not None))
-    if encoded is not None:
-        from .gpu_data import GpuDecodeLoader
-        return GpuDecodeLoader(train, device, encoded.device_transform, train_norm, sampler, seed=seed, rank=rank,
-                               skip_corrupt=encoded.skip_corrupt), val
+                       **_worker_settings(cfg, device, ds.train, seed))
     return DeviceLoader(train, device, train_norm, sampler), val

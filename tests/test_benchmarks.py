@@ -318,7 +318,7 @@ def test_bench_data_cpu(tmp_path):
     run_script([str(ROOT / "scripts/bench_data.py"), "device=cpu", "model=swin_micro",
                 "data.auto_augment=rand-m9-mstd0.5-inc1",
                 f"generate.dir={tmp_path / 'fake'}", "generate.classes=2", "generate.train_per_class=8",
-                "generate.val_per_class=2", "batch_size=4", "loader.cpu_workers=[1]", "loader.gpu_workers=1",
+                "generate.val_per_class=2", "batch_size=4", "loader.cpu_workers=[1]", "loader.gpu_workers=[1]",
                 "loader.warmup_batches=1", "loader.seconds=0.3", "train.rows=[gpu]", "train.epochs=1",
                 "train.compile=false", 'train.args=["experiment=imagenet_swin_tiny","train.warmup_epochs=0",'
                 '"logger.wandb.mode=disabled","logger.progress=false","train.save_every_epochs=0"]',
@@ -330,7 +330,7 @@ def test_bench_data_cpu(tmp_path):
     for r in rows.values():
         assert "error" not in r and "skipped" not in r, r
     assert all(positive(rows[k]["img_s"]) for k in [("loader", "cpu"), ("loader", "gpu"), ("train", "gpu")])
-    assert rows[("loader", "gpu")]["batches"] >= 4 and rows[("train", "gpu")]["workers"] == 4
+    assert rows[("loader", "gpu")]["batches"] >= 4 and rows[("train", "gpu")]["workers"] == 8
     assert rows[("eval", "cpu")]["num_images"] == rows[("eval", "gpu")]["num_images"] == 4
     assert rows[("eval", "cpu")]["top1"] == rows[("eval", "gpu")]["top1"]
     md = (out / "bench_data.md").read_text()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import math
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +22,18 @@ from torch.utils.data import DataLoader
 
 from scripts.make_imagefolder import make_image
 from swin import gpu_augment as ga
-from swin.data import CorruptImageError, ResumableDistributedSampler, _Normalize, build_datasets, build_eval_loader
+from swin.data import (
+    CorruptImageError,
+    DeviceLoader,
+    ResumableDistributedSampler,
+    _Normalize,
+    build_datasets,
+    build_eval_loader,
+)
 from swin.engine import ConfigError, check_config
 from swin.gpu_data import (
+    DeviceCollate,
     EncodedImageFolder,
-    GpuDecodeLoader,
     JpegDecoder,
     collate_encoded,
     jpeg_frame,
@@ -351,14 +357,13 @@ def test_undecodable_files_fall_back_to_the_cpu_and_are_counted(photos, tmp_path
     batch = collate_encoded([ds[i] for i in range(len(ds))])
     assert batch.skipped == 1  # the garbage file: not a JPEG, not decodable by anything (dropped in the worker)
     assert sorted(Path(batch.paths[k]).name for k in batch.decoded) == ["c_cmyk.JPEG", "d_png.JPEG"]
+    assert batch.indices == [0, 1, 2, 3, 4, 5]  # the dataset indices of the kept files (the garbage one is last)
     decoder = _NvjpegStandIn(torch.device("cpu"), skip_corrupt=True)
-    images, targets, skipped = decoder(batch)
+    images, targets, skipped, on_cpu = decoder(batch)
     kept = [n for n in sorted(files) if n not in ("f_truncated.JPEG", "g_garbage.JPEG")]
     assert skipped == 2 and len(images) == len(targets) == len(kept) == 5
-    # worker-decoded CMYK and PNG, plus the progressive file the stand-in rejected: decoded on the CPU, counted
-    assert decoder.cpu_decoded == 3
-    assert sorted(Path(p).name for p in decoder.cpu_decoded_files) == ["b_progressive.JPEG", "c_cmyk.JPEG",
-                                                                       "d_png.JPEG"]
+    # worker-decoded CMYK and PNG, plus the progressive file the stand-in rejected: decoded on the CPU, named
+    assert sorted(Path(p).name for p in on_cpu) == ["b_progressive.JPEG", "c_cmyk.JPEG", "d_png.JPEG"]
     for name, img in zip(kept, images):
         assert img.shape[0] == 3 and torch.equal(img, _pil_rgb(files[name])), name  # the pixels PIL gives
     strict = EncodedImageFolder(tmp_path, ga.EvalTransform(ga.EvalSpec(64)), skip_corrupt=False)
@@ -370,24 +375,27 @@ def test_undecodable_files_fall_back_to_the_cpu_and_are_counted(photos, tmp_path
 
 
 # --- the loader ---------------------------------------------------------------------------------------------
-def _loader(root: Path, batch: int = 3, workers: int = 0, skip_corrupt: bool = False) -> GpuDecodeLoader:
+def _loader(root: Path, batch: int = 3, workers: int = 0, skip_corrupt: bool = False) -> DeviceLoader:
     spec = ga.TrainSpec(size=(32, 32), rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
     ds = EncodedImageFolder(root, ga.TrainTransform(spec), skip_corrupt=skip_corrupt)
     sampler = ResumableDistributedSampler(ds, 1, 0, shuffle=True, seed=3)
+    collate = DeviceCollate(torch.device("cpu"), ds.device_transform, skip_corrupt, seed=5)
     dl = DataLoader(ds, batch_size=batch, sampler=sampler, drop_last=True, num_workers=workers,
-                    collate_fn=collate_encoded, persistent_workers=workers > 0)
+                    collate_fn=collate, persistent_workers=workers > 0)
     norm = _Normalize(torch.device("cpu"), IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
-    return GpuDecodeLoader(dl, torch.device("cpu"), ds.device_transform, norm, sampler, seed=5,
-                           skip_corrupt=skip_corrupt)
+    return DeviceLoader(dl, torch.device("cpu"), norm, sampler)
 
 
-def test_gpu_decode_loader_order_resume_early_stop_and_errors(photos, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_gpu_decode_loader_order_resume_and_errors(photos, tmp_path, workers):
+    """data.decode=gpu's loader (on the CPU here): batches in the sampler's order, augmentation seeded by the batch
+    (the same after a resume mid-epoch, another in another epoch), in the training process or in workers, and an
+    unreadable file named."""
     root = tmp_path / "train"
     for k, p in enumerate(photos):
         (root / f"c{k % 3}").mkdir(parents=True, exist_ok=True)
         (root / f"c{k % 3}" / f"{k}.JPEG").write_bytes(_jpeg(p.resize((150, 110))))
-    threads = threading.active_count()
-    loader = _loader(root)
+    loader = _loader(root, workers=workers)
     loader.set_epoch(1)
     epoch = list(loader)
     assert len(epoch) == len(loader) == 2  # 8 images, batches of 3, last one dropped
@@ -396,6 +404,7 @@ def test_gpu_decode_loader_order_resume_early_stop_and_errors(photos, tmp_path):
     assert torch.equal(torch.cat([y for _, y, _ in epoch]), labels)  # labels follow the sampler's order
     for x, _, skipped in epoch:
         assert x.shape == (3, 3, 32, 32) and x.dtype == torch.float32 and skipped == 0
+    assert not torch.equal(epoch[0][0][0], epoch[0][0][1])
     loader.set_epoch(1)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(epoch, loader))  # augmentation seeded per batch
     loader.set_epoch(1, start_batch=1)  # resuming mid-epoch: the same remaining batch
@@ -403,26 +412,32 @@ def test_gpu_decode_loader_order_resume_early_stop_and_errors(photos, tmp_path):
     assert len(rest) == 1 and torch.equal(rest[0][0], epoch[1][0]) and torch.equal(rest[0][1], epoch[1][1])
     loader.set_epoch(2)
     assert not torch.equal(next(iter(loader))[0], epoch[0][0])  # another epoch, other augmentation
-    for _ in loader:  # leaving an epoch early stops its threads
-        break
-    assert threading.active_count() == threads
+    assert loader.cpu_decoded == 0
     (root / "c0" / "zz_garbage.JPEG").write_bytes(b"not an image")
     with pytest.raises(CorruptImageError, match="zz_garbage.JPEG"):
-        list(_loader(root, batch=9))
-    assert threading.active_count() == threads
+        list(_loader(root, batch=9, workers=workers))
 
 
-def test_loader_threads_get_an_indexed_cuda_device(monkeypatch):
-    """device=auto gives torch.device("cuda") without an index: the loader's threads call torch.cuda.set_device,
-    which refuses that, and the transform's constants are looked up by the images' (indexed) device."""
+def test_gpu_decode_workers_get_an_indexed_device_and_spawn(monkeypatch, tmp_path):
+    """device=auto gives torch.device("cuda") without an index: a worker calls torch.cuda.set_device, which refuses
+    that; and CUDA cannot be used in a forked worker, so GPU-decoding loaders spawn theirs (and pin nothing when
+    decoding in the training process, where the batches are on the device already)."""
+    from swin.data import _worker_settings
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert ga.indexed("cuda") == torch.device("cuda", 3) and ga.indexed("cuda:1") == torch.device("cuda", 1)
     assert ga.indexed("cpu") == torch.device("cpu")
-    dl = DataLoader([], batch_size=2, collate_fn=collate_encoded)
-    norm = _Normalize(torch.device("cpu"), None, None)
-    monkeypatch.setattr(ga.TrainTransform, "to", lambda self, device: self)  # no GPU here to put constants on
-    loader = GpuDecodeLoader(dl, torch.device("cuda"), ga.TrainTransform(ga.TrainSpec((8, 8))), norm)
-    assert loader.device == torch.device("cuda", 3) and loader.decoder.device == torch.device("cuda", 3)
+    collate = DeviceCollate(torch.device("cuda"), ga.TrainTransform(ga.TrainSpec((8, 8))), skip_corrupt=False)
+    assert collate.device == torch.device("cuda", 3) and collate.decoder.device == torch.device("cuda", 3)
+    (tmp_path / "c0").mkdir()
+    (tmp_path / "c0" / "a.JPEG").write_bytes(b"never read")
+    ds = EncodedImageFolder(tmp_path, ga.TrainTransform(ga.TrainSpec((8, 8))), skip_corrupt=False)
+    cfg = {"num_workers": 4}
+    spawned = _worker_settings(cfg, torch.device("cuda", 0), ds)
+    assert spawned["multiprocessing_context"] == "spawn" and spawned["pin_memory"]
+    assert isinstance(spawned["collate_fn"], DeviceCollate)
+    in_process = _worker_settings({"num_workers": 0}, torch.device("cuda", 0), ds)
+    assert not in_process["pin_memory"] and "multiprocessing_context" not in in_process
+    assert "multiprocessing_context" not in _worker_settings(cfg, torch.device("cpu"), ds)
 
 
 def test_workers_do_not_receive_device_constants():
@@ -535,12 +550,15 @@ def _fingerprints(loader, busy: torch.Tensor | None = None) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path):
-    """CUDA: decode and augmentation threads on their own streams, two batches ahead, consumed on the default
-    stream while it is kept busy and frees every batch; CUDA sync debug mode 'error' catches a host sync torch
-    makes in any thread. The batches equal the CPU pipeline's on the same files (same order, seeds and plans) up to
-    nvJPEG-vs-libjpeg differences: evaluation batches' per-image mean and standard deviation within 2 levels,
-    RandAugment batches within 12 (posterize and solarize thresholds amplify 1-level decode differences)."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path, workers):
+    """CUDA: batches decoded and augmented on the GPU by spawned workers (or by this process), copied and
+    normalised on the loader's side stream one batch ahead, consumed on the default stream while it is kept busy
+    and frees every batch; with workers, CUDA sync debug mode 'error' catches a host sync torch makes in this
+    process (in-process decoding waits for nvJPEG by design). The batches equal the CPU pipeline's on the same files
+    (same order, seeds and plans) up to nvJPEG-vs-libjpeg differences: evaluation batches' per-image mean and
+    standard deviation within 2 levels, RandAugment batches within 12 (posterize and solarize thresholds amplify
+    1-level decode differences)."""
     from swin.data import build_loaders
     root = tmp_path / "train"
     for k in range(48):
@@ -548,14 +566,14 @@ def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path):
         d.mkdir(parents=True, exist_ok=True)
         (d / f"{k}.JPEG").write_bytes(_jpeg(photos[k % len(photos)].rotate(90 * (k // 8), expand=True)))
     cfg = make_cfg("experiment=imagenet_swin_tiny", f"data.root={tmp_path}", "data.val_dir=train",
-                   "data.decode=gpu", "data.num_workers=2", "data.reprob=0").data
+                   "data.decode=gpu", f"data.num_workers={workers}", "data.reprob=0").data
     prints = {}
     busy = torch.randn(2048, 2048, device="cuda")
     for device in ("cpu", "cuda"):
         train, val = build_loaders(build_datasets(cfg, 224), cfg, torch.device(device), 0, 1, 8, 8, seed=0)
         train.set_epoch(0)
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error" if device == "cuda" else "default")
+        torch.cuda.set_sync_debug_mode("error" if device == "cuda" and workers else "default")
         try:
             prints[device] = [_fingerprints(loader, busy if device == "cuda" else None) for loader in (train, val)]
         finally:
