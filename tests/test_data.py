@@ -142,7 +142,8 @@ def test_data_wait_fraction_shows_a_slow_loader(tmp_path, monkeypatch):
     real_getitem = TensorImageDataset.__getitem__
 
     def slow_getitem(self, i):
-        time.sleep(0.01)  # 32 images: ~320 ms per batch, several times the model's step even on a busy CPU
+        time.sleep(0.04)  # 32 images: ~1.3 s per batch, several times the model's step even on a loaded CPU
+        # (0.01 s gave a fraction of only ~0.36 with two other test runs on the same 2 cores)
         return real_getitem(self, i)
 
     monkeypatch.setattr(TensorImageDataset, "__getitem__", slow_getitem)
