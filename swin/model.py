@@ -307,7 +307,7 @@ class SwinTransformer(nn.Module):
             raise ValueError(f"depths {tuple(depths)} and num_heads {tuple(num_heads)} need one entry per stage")
         if version not in VERSIONS:
             raise ValueError(f"version {version!r}: Swin Transformer versions are {VERSIONS}")
-        if pretrained_window_sizes is None:
+        if pretrained_window_sizes is None or not any(pretrained_window_sizes):  # all 0: every stage's own window
             pretrained_window_sizes = (0,) * len(depths)
         if len(pretrained_window_sizes) != len(depths):
             raise ValueError(f"pretrained_window_sizes {tuple(pretrained_window_sizes)} needs one entry per stage "
