@@ -237,3 +237,18 @@ def test_gpu_flash_bf16_matches_standard(name, img_size):
     (ref.float() * probe).sum().backward()
     for (pname, p), q in zip(reference.named_parameters(), model.parameters()):
         assert rel_err(q.grad, p.grad) < 5e-2, pname
+
+
+def test_imagenet_swinv2_tiny_is_the_v2_paper_recipe():
+    from _train_utils import make_cfg
+
+    cfg = make_cfg("experiment=imagenet_swinv2_tiny", "data.root=/nonexistent")
+    t, d, m = cfg.train, cfg.data, cfg.model
+    assert (m.name, m.img_size, m.window_size, m.drop_path_rate) == (TINY, 256, 8, 0.2)
+    assert (t.opt, t.lr, t.lr_base_size, t.batch_size, t.weight_decay) == ("adamw", 1e-3, 1024, 1024, 0.05)
+    assert (t.epochs, t.warmup_epochs, t.sched, t.min_lr, t.warmup_lr, t.clip_grad) == (300, 20, "cosine", 1e-5,
+                                                                                          1e-6, 5.0)
+    assert (t.label_smoothing, t.mixup, t.cutmix) == (0.1, 0.8, 1.0)
+    assert (d.auto_augment, d.reprob, d.color_jitter, d.interpolation) == ("rand-m9-mstd0.5-inc1", 0.25, 0.4,
+                                                                           "bicubic")
+    assert math.floor(m.img_size / d.crop_pct) == 292  # official: resize int(256 / 224 * 256), center crop 256
