@@ -124,6 +124,19 @@ def test_v1_and_v2_differ_where_the_architecture_does():
         swin.create_model("swin_micro", pretrained_window_sizes=(4, 4))
 
 
+def test_set_attention_and_dynamic_img_size():
+    """Backends switch in place on V2 blocks; a dynamic_img_size model fed another size equals a model built for it."""
+    fixed = randomised(swin.create_model("swinv2_micro", attention="standard", img_size=(32, 28))).eval()
+    dynamic = swin.create_model("swinv2_micro", attention="sdpa", img_size=(24, 20), dynamic_img_size=True).eval()
+    dynamic.load_state_dict(fixed.state_dict())
+    x = torch.randn(2, 3, 32, 28)
+    reference = fixed(x)
+    assert rel_err(dynamic(x), reference) < 1e-5
+    assert fixed.set_attention("sdpa").attention == "sdpa"
+    assert all(b.attn.attention == "sdpa" for s in fixed.layers for b in s.blocks)
+    assert rel_err(fixed(x), reference) < 1e-5
+
+
 def test_flash_matches_standard():
     """The flash kernel serves V2 attention (scaled cosine scores, CPB bias, shift mask, padded tokens): the same
     logits (1e-5) and every gradient (1e-4) as the standard backend, fp32 (the Triton interpreter on the CPU)."""
