@@ -19,8 +19,10 @@ Rows: ``ours`` is ``swin.create_model(name, attention=...)``; ``timm`` is timm's
 architecture config), with its SDPA path off (``math``: timm's default, TIMM_FUSED_ATTN=0, explicit
 softmax) or on (``sdpa``: what TIMM_FUSED_ATTN=2 selects). timm reads that switch when an attention module is
 built, so it is set with ``timm.layers.set_fused_attn`` before building and then checked on every
-WindowAttention module (``attn.fused_attn``). Compiled rows use ``torch.compile(model, dynamic=False)``.
-Memory and compiled graphs are freed between rows.
+WindowAttention module (``attn.fused_attn``). timm's Swin V2 (``swinv2_*`` names; ``swinv2_micro``: timm's
+SwinTransformerV2 class with our config) has explicit attention math only: its ``math`` rows run, its ``sdpa`` /
+``sdpa_no_cudnn`` rows are skipped (``grid=swinv2`` has none). Compiled rows use ``torch.compile(model,
+dynamic=False)``. Memory and compiled graphs are freed between rows.
 
 Profiler mode (``profile.enabled=true``) runs a few more steps per row under torch.profiler and reports the
 fraction of step time spent in attention: GPU time of the kernels that belong to attention, per step, divided
@@ -54,6 +56,7 @@ Examples:
     python scripts/benchmark.py profile.enabled=true
     python scripts/benchmark.py -m model=swin_tiny_patch4_window7_224,swin_base_patch4_window7_224
     python scripts/benchmark.py model=swin_micro device=cpu grid=smoke      # CPU smoke test
+    python scripts/benchmark.py grid=swinv2 model=swinv2_tiny_window8_256   # Swin V2 against timm's V2
 """
 from __future__ import annotations
 
@@ -95,7 +98,7 @@ from swin.distributed import pick_device  # noqa: E402
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # keys of configs/model/*.yaml that describe the architecture (the others: attention, pretrained, ...)
 ARCH_KEYS = ("img_size", "patch_size", "window_size", "embed_dim", "depths", "num_heads", "mlp_ratio",
-             "in_chans", "qkv_bias", "drop_path_rate", "num_classes")
+             "in_chans", "qkv_bias", "drop_path_rate", "num_classes", "pretrained_window_sizes")
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ def architecture(model_cfg: DictConfig) -> tuple[str, dict[str, Any]]:
     """(name, architecture overrides) from a configs/model/ entry; null values are left to the defaults."""
     cfg = OmegaConf.to_container(model_cfg, resolve=True)
     arch = {k: cfg[k] for k in ARCH_KEYS if cfg.get(k) is not None}
-    for key in ("img_size", "window_size", "patch_size", "depths", "num_heads"):
+    for key in ("img_size", "window_size", "patch_size", "depths", "num_heads", "pretrained_window_sizes"):
         if isinstance(arch.get(key), list):
             arch[key] = tuple(arch[key])
     return cfg["name"], arch
@@ -159,6 +162,27 @@ def create_ours(name: str, arch: dict[str, Any], attention: str) -> nn.Module:
     if model.attention != attention:
         raise RuntimeError(f"model reports attention {model.attention!r}, wanted {attention!r}")
     return model
+
+
+def is_swinv2(name: str) -> bool:
+    return swin.MODEL_CONFIGS[name].get("version", 1) == 2
+
+
+def timm_unavailable(spec: RowSpec, name: str) -> str | None:
+    """Why timm has no such row (None if it has): its Swin V2 computes attention with explicit math only."""
+    if spec.impl == "timm" and spec.attention != "math" and is_swinv2(name):
+        return "timm's Swin V2 has no SDPA path (explicit math only)"
+    return None
+
+
+def create_timm_v2(name: str, arch: dict[str, Any]) -> nn.Module:
+    """timm's Swin V2 (explicit attention math, its only path)."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    if timm.is_model(name):
+        return timm.create_model(name, pretrained=False, **arch)
+    config = {k: v for k, v in swin.MODEL_CONFIGS[name].items() if k != "version"}
+    return SwinTransformerV2(**{**config, **arch})  # e.g. swinv2_micro
 
 
 def create_timm(name: str, arch: dict[str, Any], fused: bool) -> nn.Module:
@@ -187,6 +211,8 @@ def create_timm(name: str, arch: dict[str, Any], fused: bool) -> nn.Module:
 def create_model(spec: RowSpec, name: str, arch: dict[str, Any]) -> nn.Module:
     if spec.impl == "ours":
         return create_ours(name, arch, spec.attention)
+    if is_swinv2(name):
+        return create_timm_v2(name, arch)
     return create_timm(name, arch, fused=spec.attention != "math")
 
 
@@ -501,7 +527,7 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
     row: dict[str, Any] = asdict(spec)
     model = create_model(spec, name, arch).to(device)
     if spec.impl == "timm":
-        row["timm_fused_attn"] = bool(model.layers[0].blocks[0].attn.fused_attn)
+        row["timm_fused_attn"] = bool(getattr(model.layers[0].blocks[0].attn, "fused_attn", False))
     else:
         row["our_attention"] = model.attention
     row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
@@ -733,6 +759,11 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         if cfg.time_budget_s and elapsed > cfg.time_budget_s:
             rows.append({**asdict(spec), "skipped": f"time budget ({cfg.time_budget_s} s) spent"})
             print(f"[{i + 1}/{len(specs)}] {spec.label}: skipped (time budget)", flush=True)
+            continue
+        unavailable = timm_unavailable(spec, name)
+        if unavailable:
+            rows.append({**asdict(spec), "skipped": unavailable})
+            print(f"[{i + 1}/{len(specs)}] {spec.label}: skipped ({unavailable})", flush=True)
             continue
         t0 = time.perf_counter()
         try:

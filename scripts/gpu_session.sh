@@ -6,6 +6,8 @@
 #   bash scripts/gpu_session.sh e2e       # Swin-T end to end: grid=compiled (CUDA graphs and default mode) with the breakdown
 #                                         # (E2E_GRID=autotune: max-autotune against reduce-overhead)
 #   E2E_MODEL=384 bash scripts/gpu_session.sh e2e-base  # Swin-B 384 (or 224) end to end, grid=best
+#   V2_MODEL=swinv2_base_window16_256 V2_BATCH=64 bash scripts/gpu_session.sh e2e-v2  # Swin V2 against timm's V2,
+#                                         # grid=swinv2 (default: swinv2_tiny_window8_256, b64 and b128)
 #   bash scripts/gpu_session.sh loop      # train.py against its own model step: compiled model step (benchmark),
 #                                         # train.py on synthetic data compiled and eager, and the ImageNet recipe on
 #                                         # a generated JPEG folder (~7 min on an H100); table in $OUT/loop.md
@@ -18,8 +20,8 @@
 # Hydra is missing on the device machine: carry .whl (../shared/device-wheels/, see its README).
 set -uo pipefail
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base|loop|data|contention) ;;
-  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|loop|data|contention" >&2; exit 2 ;;
+  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|contention) ;;
+  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|e2e-v2|loop|data|contention" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
@@ -34,7 +36,7 @@ python -c "import torch, triton, timm; print('torch', torch.__version__, 'triton
 case "${1:-}" in
   tests)
     # pytest-xdist (carry its wheel and execnet's in .whl): Triton compiles every case's kernels, on 8 cores at once
-    python -m pytest -q -n 8 --durations=10 tests/test_flash_window.py tests/test_model.py 2>&1 \
+    python -m pytest -q -n 8 --durations=10 tests/test_flash_window.py tests/test_model.py tests/test_swinv2.py 2>&1 \
       | tee "$OUT/gpu_tests.txt"
     # the training step never syncs (CUDA sync debug mode), the side-stream loader keeps batches intact
     python -m pytest -q -m gpu tests/test_train_guard.py tests/test_data.py 2>&1 | tee "$OUT/gpu_loop_tests.txt" ;;
@@ -59,6 +61,11 @@ case "${1:-}" in
       python scripts/benchmark.py grid=best model=swin_base_patch4_window7_224 profile.enabled=true \
         out_dir="$OUT/swin_b224" time_budget_s=${E2E_BUDGET_S:-330}
     fi ;;
+  e2e-v2)
+    # one model per call; ours (flash_window, sdpa) against timm's V2 (explicit math), compiled, bf16
+    M=${V2_MODEL:-swinv2_tiny_window8_256}
+    python scripts/benchmark.py grid=swinv2 model=$M grid.batch_size=[${V2_BATCH:-64,128}] profile.enabled=true \
+      out_dir="$OUT/$M" time_budget_s=${E2E_BUDGET_S:-480} ;;
   loop)
     # run dirs (with their ~0.4 GB checkpoints) stay in /tmp; summary.json and train.log are copied to $OUT
     R=/tmp/loop; rm -rf "$R"; mkdir -p "$R"

@@ -26,6 +26,36 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def _swinv2_config(img_size: int, window_size: int, size: str, pretrained_window: int = 0) -> dict[str, Any]:
+    """A Swin V2 registration of timm: tiny / small / base / large at img_size, window, pretrained window."""
+    embed_dim, depths, num_heads = {
+        "tiny": (96, (2, 2, 6, 2), (3, 6, 12, 24)), "small": (96, (2, 2, 18, 2), (3, 6, 12, 24)),
+        "base": (128, (2, 2, 18, 2), (4, 8, 16, 32)), "large": (192, (2, 2, 18, 2), (6, 12, 24, 48))}[size]
+    # timm's window12to* models were pretrained at 192 with window 12: the last stage (6x6) had window 6
+    pretrained = (pretrained_window,) * 3 + (pretrained_window // 2,) if pretrained_window else (0, 0, 0, 0)
+    return dict(version=2, img_size=img_size, patch_size=4, window_size=window_size, embed_dim=embed_dim,
+                depths=depths, num_heads=num_heads, pretrained_window_sizes=pretrained)
+
+
+# Swin V2 (timm's swinv2_* names; not the swinv2_cr_* family, another implementation)
+MODEL_CONFIGS.update({
+    "swinv2_tiny_window8_256": _swinv2_config(256, 8, "tiny"),
+    "swinv2_tiny_window16_256": _swinv2_config(256, 16, "tiny"),
+    "swinv2_small_window8_256": _swinv2_config(256, 8, "small"),
+    "swinv2_small_window16_256": _swinv2_config(256, 16, "small"),
+    "swinv2_base_window8_256": _swinv2_config(256, 8, "base"),
+    "swinv2_base_window16_256": _swinv2_config(256, 16, "base"),
+    "swinv2_base_window12_192": _swinv2_config(192, 12, "base"),
+    "swinv2_base_window12to16_192to256": _swinv2_config(256, 16, "base", pretrained_window=12),
+    "swinv2_base_window12to24_192to384": _swinv2_config(384, 24, "base", pretrained_window=12),
+    "swinv2_large_window12_192": _swinv2_config(192, 12, "large"),
+    "swinv2_large_window12to16_192to256": _swinv2_config(256, 16, "large", pretrained_window=12),
+    "swinv2_large_window12to24_192to384": _swinv2_config(384, 24, "large", pretrained_window=12),
+    # swin_micro's shapes with V2 blocks, for CPU demos and tests
+    "swinv2_micro": dict(MODEL_CONFIGS["swin_micro"], version=2, pretrained_window_sizes=(0, 0)),
+})
+
+
 def list_models() -> list[str]:
     return sorted(MODEL_CONFIGS)
 
@@ -35,7 +65,8 @@ def create_model(name: str, pretrained: str | bool | None = None, **overrides: A
 
     Overrides: attention, num_classes, img_size, window_size, patch_size, embed_dim, depths,
     num_heads, drop_path_rate, drop_rate, mlp_ratio, in_chans, qkv_bias, dynamic_img_size,
-    recompute_mlp_act (default True: the MLP GELU output is recomputed in backward, not saved).
+    recompute_mlp_act (default True: the MLP GELU output is recomputed in backward, not saved), and for
+    Swin V2 (``swinv2_*``) pretrained_window_sizes (one per stage; 0: the stage's own window).
     ``pretrained``: a checkpoint file (timm, official Microsoft or ours), or ``timm:<name.tag>``.
     """
     if name not in MODEL_CONFIGS:
@@ -43,7 +74,7 @@ def create_model(name: str, pretrained: str | bool | None = None, **overrides: A
     kwargs = {**MODEL_CONFIGS[name], **{k: v for k, v in overrides.items() if v is not None}}
     if "attention" in kwargs and kwargs["attention"] not in BACKENDS:
         raise ValueError(f"unknown attention backend {kwargs['attention']!r}; choose one of {sorted(BACKENDS)}")
-    for key in ("depths", "num_heads"):
+    for key in ("depths", "num_heads", "pretrained_window_sizes"):
         if key in kwargs:
             kwargs[key] = tuple(kwargs[key])
     for key in ("img_size", "window_size", "patch_size"):

@@ -11,7 +11,9 @@ Every backend is a function with the same signature::
   put back in image layout (the block then applies the output projection).
 
 Taking image layout lets a backend fold shift, padding and partition into its own addressing
-(``flash_window``) while the reference backends do them with explicit tensor ops.
+(``flash_window``) while the reference backends do them with explicit tensor ops. Swin V2's scaled cosine
+attention reaches the backends in this same form: q and k normalised, q times the logit scale, scale 1, the
+continuous position bias as the table (``swin.model.CosineWindowAttention``).
 """
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ Kinds (detected from the content, not the file name):
   stage i as ``layers.i.downsample``, classifier as ``head.weight``).
 
 Conversion to timm's layout (and bias-table resizing for another window size) goes through timm's own
-``swin_transformer.checkpoint_filter_fn`` so that we load exactly what timm loads. Loading is strict:
+``swin_transformer.checkpoint_filter_fn`` (Swin V2: ``swin_transformer_v2.checkpoint_filter_fn``, which drops the
+window-dependent buffers official files keep, so weights load at any window) so that we load exactly what timm
+loads. Loading is strict:
 the only documented partial load is re-initialising the classifier (timm's head init) when the
 checkpoint's class count differs from the model's. Everything else that does not fit raises
 :class:`CheckpointError` listing the keys and shapes.
@@ -206,6 +208,7 @@ def describe_state_dict(sd: Mapping[str, torch.Tensor]) -> str:
     depths: dict[int, int] = {}
     heads: dict[int, int] = {}
     window = None
+    version = 1
     for k, v in sd.items():
         parts = k.split(".")
         if len(parts) > 3 and parts[0] == "layers" and parts[2] == "blocks":
@@ -215,8 +218,12 @@ def describe_state_dict(sd: Mapping[str, torch.Tensor]) -> str:
                 heads.setdefault(i, v.shape[1])
                 side = round(v.shape[0] ** 0.5)
                 window = (side + 1) // 2 if side * side == v.shape[0] else f"{v.shape[0]} bias rows"
+            elif k.endswith("attn.logit_scale"):  # Swin V2: no window-sized tensor (continuous position bias)
+                heads.setdefault(i, v.shape[0])
+                version, window = 2, "any"
     head = sd.get("head.fc.weight", sd.get("head.weight"))
-    return (f"embed_dim={w.shape[0]}, patch_size={w.shape[-1]}, in_chans={w.shape[1]}, "
+    return (f"Swin {'V2' if version == 2 else 'v1'}, embed_dim={w.shape[0]}, patch_size={w.shape[-1]}, "
+            f"in_chans={w.shape[1]}, "
             f"depths={tuple(depths[i] for i in sorted(depths))}, num_heads={tuple(heads[i] for i in sorted(heads))}, "
             f"window_size={window}, num_classes={0 if head is None else head.shape[0]}")
 
@@ -240,8 +247,10 @@ def convert_state_dict(sd: Mapping[str, torch.Tensor], model: nn.Module) -> tupl
     reports them as mismatches rather than silently reshaping another architecture's weights.
     Returns the converted dict and the keys of the resized tables.
     """
-    from timm.models.swin_transformer import checkpoint_filter_fn
+    from timm.models import swin_transformer, swin_transformer_v2
 
+    v2 = getattr(model, "version", 1) == 2
+    checkpoint_filter_fn = (swin_transformer_v2 if v2 else swin_transformer).checkpoint_filter_fn
     target = model.state_dict()
     keep, passthrough, resized = {}, {}, []
     for k, v in sd.items():
@@ -267,7 +276,8 @@ def convert_state_dict(sd: Mapping[str, torch.Tensor], model: nn.Module) -> tupl
     try:
         out = checkpoint_filter_fn(keep, model)
     except Exception as e:  # re-raised with context
-        raise CheckpointError(f"timm's Swin checkpoint filter failed on this checkpoint: {type(e).__name__}: {e}\n"
+        raise CheckpointError(f"timm's Swin{' V2' if v2 else ''} checkpoint filter failed on this checkpoint: "
+                              f"{type(e).__name__}: {e}\n"
                               f"  checkpoint: {describe_state_dict(sd)}") from e
     if sentinel:
         out.pop("head.fc.weight")

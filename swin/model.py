@@ -1,10 +1,15 @@
-"""Swin Transformer v1 (Liu et al., 2021) with a switchable window-attention backend.
+"""Swin Transformer v1 (Liu et al., 2021) and V2 (Liu et al., 2022) with a switchable window-attention backend.
 
-Parameter names, initialisation and numerics follow timm's ``swin_transformer.py`` so that a timm
-state_dict loads with ``strict=True`` and gives the same logits. Features are NHWC inside.
+Parameter names, initialisation and numerics follow timm's ``swin_transformer.py`` (v1) and
+``swin_transformer_v2.py`` (V2) so that a timm state_dict loads with ``strict=True`` and gives the same logits.
+Features are NHWC inside. V2 differs from v1 in three places only: its attention module (scaled cosine
+attention, continuous position bias; :class:`CosineWindowAttention`), residual post-norm in the blocks, and
+patch merging that normalises after the reduction.
 """
 from __future__ import annotations
 
+import abc
+import math
 from collections.abc import Sequence
 
 import torch
@@ -14,11 +19,47 @@ from timm.layers import ClassifierHead, DropPath, Mlp, PatchEmbed, to_2tuple, tr
 from torch.utils.checkpoint import checkpoint
 
 from .attention import WindowAttentionArgs, get_backend
-from .windows import WindowSpec, clamp_window_and_shift, relative_position_index, shifted_window_mask
+from .windows import (
+    WindowSpec,
+    clamp_window_and_shift,
+    log_spaced_relative_coords,
+    relative_position_index,
+    shifted_window_mask,
+)
+
+VERSIONS = (1, 2)
+MAX_LOGIT_SCALE = math.log(100.0)  # Swin V2 clamps the learnt logit scale at 100 (temperature 0.01)
 
 
-class WindowAttention(nn.Module):
-    """Multi-head self attention inside (shifted) windows, with relative position bias."""
+class WindowAttentionBase(nn.Module, abc.ABC):
+    """Multi-head self attention inside (shifted) windows through a switchable backend (swin.attention).
+
+    Subclasses say what the backend computes: :meth:`backend_inputs` returns the qkv projection in image
+    layout and the :class:`WindowAttentionArgs` for softmax(scale q k^T + bias + mask) v."""
+
+    num_heads: int
+    head_dim: int
+    proj: nn.Linear
+
+    def set_attention(self, name: str) -> None:
+        self.attention = name
+        self.backend = get_backend(name)
+
+    @abc.abstractmethod
+    def backend_inputs(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, WindowAttentionArgs]:
+        """(qkv (B, H, W, 3, heads, head_dim), backend arguments) for features x (B, H, W, C)."""
+
+    def forward(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """x: (B, H, W, C) features -> (B, H, W, C)."""
+        b, h, w, c = x.shape
+        qkv, args = self.backend_inputs(x, spec, attn_mask)
+        out = self.backend(qkv, args)
+        return self.proj(out.reshape(b, h, w, c))
+
+
+class WindowAttention(WindowAttentionBase):
+    """Swin v1: scaled dot-product attention with a learnt relative position bias table."""
 
     def __init__(self, dim: int, num_heads: int, window_size: tuple[int, int], qkv_bias: bool = True,
                  attention: str = "sdpa"):
@@ -37,35 +78,98 @@ class WindowAttention(nn.Module):
         trunc_normal_(self.relative_position_bias_table, std=0.02)
         self.set_attention(attention)
 
-    def set_attention(self, name: str) -> None:
-        self.attention = name
-        self.backend = get_backend(name)
-
-    def forward(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """x: (B, H, W, C) normalised features -> (B, H, W, C)."""
+    def backend_inputs(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, WindowAttentionArgs]:
         b, h, w, c = x.shape
         qkv = self.qkv(x).view(b, h, w, 3, self.num_heads, self.head_dim)
         qkv_bias = None if self.qkv.bias is None else self.qkv.bias.view(3, self.num_heads, self.head_dim)
-        args = WindowAttentionArgs(spec, self.scale, self.relative_position_bias_table,
-                                   self.relative_position_index, attn_mask, qkv_bias)
-        out = self.backend(qkv, args)
-        return self.proj(out.reshape(b, h, w, c))
+        return qkv, WindowAttentionArgs(spec, self.scale, self.relative_position_bias_table,
+                                        self.relative_position_index, attn_mask, qkv_bias)
+
+
+def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
+    """(..., 3, heads, head_dim) -> the same with q and k at unit length and q times exp(clamped logit_scale).
+
+    Scaled cosine attention is then plain dot-product attention with scale 1, so every backend (the flash kernel
+    included) computes it unchanged, and autograd takes the gradient to q, k and logit_scale through these
+    elementwise ops (fused by inductor under torch.compile). Returned in qkv's dtype: under autocast the
+    normalisation runs in fp32, and a fp32 result would make the attention itself fp32.
+    """
+    q, k, v = qkv.unbind(-3)
+    scale = logit_scale.clamp(max=MAX_LOGIT_SCALE).exp().view(-1, 1)  # (heads, 1)
+    q = F.normalize(q, dim=-1) * scale
+    k = F.normalize(k, dim=-1)
+    return torch.stack((q.to(v.dtype), k.to(v.dtype), v), dim=-3)
+
+
+class CosineWindowAttention(WindowAttentionBase):
+    """Swin V2: scaled cosine attention (a learnt logit scale per head, clamped at 100) with a continuous
+    relative position bias, 16 sigmoid(cpb_mlp(log-spaced offsets)), instead of a table of free parameters.
+
+    Parameters as timm's: q_bias and v_bias (k has none: a zero buffer k_bias), cpb_mlp, logit_scale. The MLP
+    makes the bias independent of the window size, so weights move between windows without resizing anything.
+    """
+
+    def __init__(self, dim: int, num_heads: int, window_size: tuple[int, int], qkv_bias: bool = True,
+                 attention: str = "sdpa", pretrained_window_size: tuple[int, int] = (0, 0)):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.window_size = window_size
+        self.pretrained_window_size = pretrained_window_size
+        self.logit_scale = nn.Parameter(torch.full((num_heads, 1, 1), math.log(10.0)))
+        self.cpb_mlp = nn.Sequential(nn.Linear(2, 512), nn.ReLU(inplace=True), nn.Linear(512, num_heads, bias=False))
+        self.qkv = nn.Linear(dim, dim * 3, bias=False)
+        if qkv_bias:
+            self.q_bias = nn.Parameter(torch.zeros(dim))
+            self.register_buffer("k_bias", torch.zeros(dim), persistent=False)
+            self.v_bias = nn.Parameter(torch.zeros(dim))
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+        self.proj = nn.Linear(dim, dim)
+        self.register_buffer("relative_coords_table", log_spaced_relative_coords(window_size, pretrained_window_size),
+                             persistent=False)
+        self.register_buffer("relative_position_index", relative_position_index(window_size), persistent=False)
+        self.set_attention(attention)
+
+    def bias_table(self) -> torch.Tensor:
+        """((2Wh-1)(2Ww-1), heads) relative position bias, 16 sigmoid(MLP(coordinates)), gathered by the backends."""
+        return 16 * torch.sigmoid(self.cpb_mlp(self.relative_coords_table))
+
+    def backend_inputs(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, WindowAttentionArgs]:
+        b, h, w, c = x.shape
+        bias = None if self.q_bias is None else torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        qkv = F.linear(x, self.qkv.weight, bias).view(b, h, w, 3, self.num_heads, self.head_dim)
+        qkv = cosine_qkv(qkv, self.logit_scale)
+        # padded positions (timm pads the block input with zeros) hold the projection's bias, normalised the same way
+        fill = None if bias is None else cosine_qkv(bias.view(3, self.num_heads, self.head_dim), self.logit_scale)
+        return qkv, WindowAttentionArgs(spec, 1.0, self.bias_table(), self.relative_position_index, attn_mask, fill)
 
 
 class SwinTransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), with stochastic depth."""
+    """v1: pre-norm, x + attn(norm(x)), then x + mlp(norm(x)). V2: residual post-norm, x + norm(attn(x)), then
+    x + norm(mlp(x)). Both with stochastic depth."""
 
     def __init__(self, dim: int, feat_size: tuple[int, int], num_heads: int, window_size: tuple[int, int],
                  shift: bool, mlp_ratio: float = 4.0, qkv_bias: bool = True, drop_path: float = 0.0,
-                 attention: str = "sdpa", recompute_mlp_act: bool = True):
+                 attention: str = "sdpa", recompute_mlp_act: bool = True, version: int = 1,
+                 pretrained_window_size: tuple[int, int] = (0, 0)):
         super().__init__()
         self.feat_size = feat_size
         self.recompute_mlp_act = recompute_mlp_act
+        self.post_norm = version == 2
         target_shift = tuple(w // 2 for w in window_size) if shift else (0, 0)
         # window and shift are fixed at construction from the nominal feature size (timm semantics)
         self.window_size, self.shift_size = clamp_window_and_shift(feat_size, window_size, target_shift)
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = WindowAttention(dim, num_heads, self.window_size, qkv_bias, attention)
+        if version == 2:
+            self.attn = CosineWindowAttention(dim, num_heads, self.window_size, qkv_bias, attention,
+                                              pretrained_window_size)
+        else:
+            self.attn = WindowAttention(dim, num_heads, self.window_size, qkv_bias, attention)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
@@ -83,9 +187,11 @@ class SwinTransformerBlock(nn.Module):
             mask = self.attn_mask
         else:  # another input size (dynamic_img_size): same window and shift, new regions
             mask = shifted_window_mask(spec, x.device)
+        if self.post_norm:
+            x = x + self.drop_path1(self.norm1(self.attn(x, spec, mask)))
+            return x + self.drop_path2(self.norm2(self._mlp(x)))
         x = x + self.drop_path1(self.attn(self.norm1(x), spec, mask))
-        x = x + self.drop_path2(self._mlp(self.norm2(x)))
-        return x
+        return x + self.drop_path2(self._mlp(self.norm2(x)))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.mlp.fc1(x)
@@ -102,11 +208,13 @@ class SwinTransformerBlock(nn.Module):
 
 
 class PatchMerging(nn.Module):
-    """2x2 neighbourhood -> LayerNorm -> Linear(4C, 2C), padding odd sizes like timm."""
+    """2x2 neighbourhood -> LayerNorm -> Linear(4C, 2C) (v1), or -> Linear(4C, 2C) -> LayerNorm (V2), padding odd
+    sizes like timm."""
 
-    def __init__(self, dim: int, out_dim: int):
+    def __init__(self, dim: int, out_dim: int, norm_after: bool = False):
         super().__init__()
-        self.norm = nn.LayerNorm(4 * dim)
+        self.norm_after = norm_after
+        self.norm = nn.LayerNorm(out_dim if norm_after else 4 * dim)
         self.reduction = nn.Linear(4 * dim, out_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,6 +223,8 @@ class PatchMerging(nn.Module):
         h, w = x.shape[1:3]
         # timm's channel order (x0, x1, x2, x3) = [(0,0), (1,0), (0,1), (1,1)], needed for its weights
         x = x.reshape(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 4, 2, 5).flatten(3)
+        if self.norm_after:
+            return self.norm(self.reduction(x))
         return self.reduction(self.norm(x))
 
 
@@ -143,15 +253,17 @@ class SwinTransformerStage(nn.Module):
 
     def __init__(self, dim: int, out_dim: int, in_size: tuple[int, int], depth: int, downsample: bool,
                  num_heads: int, window_size: tuple[int, int], mlp_ratio: float, qkv_bias: bool,
-                 drop_path: Sequence[float], attention: str, recompute_mlp_act: bool = True):
+                 drop_path: Sequence[float], attention: str, recompute_mlp_act: bool = True, version: int = 1,
+                 pretrained_window_size: tuple[int, int] = (0, 0)):
         super().__init__()
-        self.downsample = PatchMerging(dim, out_dim) if downsample else nn.Identity()
+        self.downsample = PatchMerging(dim, out_dim, norm_after=version == 2) if downsample else nn.Identity()
         self.out_size = tuple((s + 1) // 2 for s in in_size) if downsample else in_size
         self.grad_checkpointing = False
         self.blocks = nn.Sequential(*[
             SwinTransformerBlock(out_dim, self.out_size, num_heads, window_size, shift=i % 2 == 1,
                                  mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop_path=drop_path[i],
-                                 attention=attention, recompute_mlp_act=recompute_mlp_act)
+                                 attention=attention, recompute_mlp_act=recompute_mlp_act, version=version,
+                                 pretrained_window_size=pretrained_window_size)
             for i in range(depth)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,7 +276,11 @@ class SwinTransformerStage(nn.Module):
 
 
 class SwinTransformer(nn.Module):
-    """Swin Transformer v1 image classifier."""
+    """Swin Transformer image classifier, v1 or V2 (``version``).
+
+    ``pretrained_window_sizes`` (V2 only, one per stage, 0: the stage's own window): the windows the weights were
+    pretrained with, which scale the continuous position bias coordinates (timm's ``window12to16`` models).
+    """
 
     def __init__(
         self,
@@ -183,10 +299,23 @@ class SwinTransformer(nn.Module):
         attention: str = "sdpa",
         dynamic_img_size: bool = False,
         recompute_mlp_act: bool = True,
+        version: int = 1,
+        pretrained_window_sizes: Sequence[int | tuple[int, int]] | None = None,
     ):
         super().__init__()
         if len(depths) != len(num_heads):
             raise ValueError(f"depths {tuple(depths)} and num_heads {tuple(num_heads)} need one entry per stage")
+        if version not in VERSIONS:
+            raise ValueError(f"version {version!r}: Swin Transformer versions are {VERSIONS}")
+        if pretrained_window_sizes is None or not any(pretrained_window_sizes):  # all 0: every stage's own window
+            pretrained_window_sizes = (0,) * len(depths)
+        if len(pretrained_window_sizes) != len(depths):
+            raise ValueError(f"pretrained_window_sizes {tuple(pretrained_window_sizes)} needs one entry per stage "
+                             f"(depths {tuple(depths)})")
+        if version == 1 and any(pretrained_window_sizes):
+            raise ValueError("pretrained_window_sizes is a Swin V2 setting (continuous position bias); v1 models "
+                             "resize their bias tables when loading weights instead")
+        self.version = version
         get_backend(attention)  # fail early on an unknown name
         self.img_size = to_2tuple(img_size)
         self.patch_size = to_2tuple(patch_size)
@@ -213,7 +342,8 @@ class SwinTransformer(nn.Module):
                                          num_heads=num_heads[i], window_size=self.window_size,
                                          mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
                                          drop_path=rates[i].tolist(), attention=attention,
-                                         recompute_mlp_act=recompute_mlp_act)
+                                         recompute_mlp_act=recompute_mlp_act, version=version,
+                                         pretrained_window_size=to_2tuple(pretrained_window_sizes[i]))
             stages.append(stage)
             size = stage.out_size
         self.layers = nn.Sequential(*stages)
@@ -221,6 +351,11 @@ class SwinTransformer(nn.Module):
         self.head = ClassifierHead(self.num_features, num_classes, pool_type="avg", drop_rate=drop_rate,
                                    input_fmt="NHWC")
         self.apply(_init_weights)
+        if version == 2:  # timm's res-post-norm init: every block starts as the identity
+            for block in (b for stage in self.layers for b in stage.blocks):
+                for norm in (block.norm1, block.norm2):
+                    nn.init.zeros_(norm.weight)
+                    nn.init.zeros_(norm.bias)
 
     # --- attention backend -------------------------------------------------------------------
     @property
@@ -231,14 +366,16 @@ class SwinTransformer(nn.Module):
         """Switch every block to backend `name` in place; weights are untouched."""
         get_backend(name)
         for module in self.modules():
-            if isinstance(module, WindowAttention):
+            if isinstance(module, WindowAttentionBase):
                 module.set_attention(name)
         return self
 
     # --- timm-style helpers used by training and fine-tuning ----------------------------------
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
-        return {n for n, _ in self.named_parameters() if "relative_position_bias_table" in n}
+        # v1: the bias tables; V2: the position bias MLP and the logit scales (as timm >= 1.0.31 names them)
+        words = ("relative_position_bias_table",) if self.version == 1 else ("cpb_mlp", "logit_scale")
+        return {n for n, _ in self.named_parameters() if any(w in n for w in words)}
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict:
@@ -296,4 +433,5 @@ def _init_weights(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
 
 
-__all__ = ["SwinTransformer", "SwinTransformerBlock", "WindowAttention"]
+__all__ = ["CosineWindowAttention", "SwinTransformer", "SwinTransformerBlock", "WindowAttention",
+           "WindowAttentionBase", "cosine_qkv"]

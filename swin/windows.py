@@ -74,6 +74,22 @@ def relative_position_index(window_size: tuple[int, int], device: torch.device |
     return (rel[0] + wh - 1) * (2 * ww - 1) + (rel[1] + ww - 1)
 
 
+def log_spaced_relative_coords(window_size: tuple[int, int], pretrained_window_size: tuple[int, int] = (0, 0),
+                                device: torch.device | None = None) -> torch.Tensor:
+    """((2Wh-1)(2Ww-1), 2) inputs of Swin V2's continuous position bias MLP, one row per entry of the bias table.
+
+    Relative offsets (dy, dx) are divided by (window - 1) of the window the model was pretrained with (the
+    current one when 0), times 8, then log-spaced: sign(t) log2(1 + |t|) / log2(8). Dividing by the pretrained
+    window keeps the MLP's inputs for offsets it has seen when fine-tuning at a larger window.
+    """
+    wh, ww = window_size
+    ph, pw = pretrained_window_size if pretrained_window_size[0] > 0 else window_size
+    dy = torch.arange(-(wh - 1), wh, device=device, dtype=torch.float32) / max(ph - 1, 1)
+    dx = torch.arange(-(ww - 1), ww, device=device, dtype=torch.float32) / max(pw - 1, 1)
+    coords = torch.stack(torch.meshgrid(dy, dx, indexing="ij"), dim=-1).reshape(-1, 2) * 8
+    return torch.sign(coords) * torch.log2(coords.abs() + 1.0) / 3.0  # log2(8) = 3
+
+
 def region_ids(length: int, window: int, shift: int, device: torch.device | None = None) -> torch.Tensor:
     """Region id (0, 1, 2) of each position along one padded axis; all 0 when the axis is unshifted.
 

@@ -80,6 +80,27 @@ def test_benchmark_cpu(tmp_path):
     assert (out / "profile.md").read_text().count(" by self time over 1 steps") == 2 * len(rows)  # row x step
 
 
+def test_benchmark_swinv2_rows_against_timm_v2(tmp_path):
+    """A Swin V2 name benchmarks ours against timm's SwinTransformerV2 (swinv2_micro: timm's class with our config);
+    timm's V2 has no SDPA path, so that row is skipped with the reason, and ours is compared with timm's math row."""
+    out = tmp_path / "bench"
+    rows = "[{impl:ours,attention:sdpa,compile:[false]},{impl:timm,attention:math,compile:[false]}," \
+           "{impl:timm,attention:sdpa,compile:[false]}]"
+    run_script([str(ROOT / "scripts/benchmark.py"), "model=swinv2_micro", "device=cpu", "grid=smoke",
+                f"grid.rows={rows}", "grid.batch_size=[2]", "steps.warmup=1", "steps.timed=1", "steps.repeats=1",
+                f"out_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=tmp_path)
+    ours, timm_math, timm_sdpa = json.loads((out / "benchmark.json").read_text())["rows"]
+    assert positive(ours["train_img_s"]) and positive(timm_math["train_img_s"])
+    assert ours["params_m"] == timm_math["params_m"] and not timm_math["timm_fused_attn"]
+    assert positive(ours["train_speedup_vs_best_timm"])
+    assert timm_sdpa["skipped"] == "timm's Swin V2 has no SDPA path (explicit math only)"
+
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    from scripts.benchmark import RowSpec, create_model
+    assert isinstance(create_model(RowSpec("timm", "math", False, 2, "fp32"), "swinv2_micro", {}), SwinTransformerV2)
+
+
 @pytest.mark.parametrize("grid", sorted(p.stem for p in (ROOT / "configs/grid").glob("*.yaml")))
 def test_every_grid_config_expands(grid):
     """Each configs/grid/ entry composes with configs/benchmark.yaml and expands into valid rows."""
