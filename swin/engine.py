@@ -45,6 +45,7 @@ from .distributed import (
     broadcast_object,
     cleanup,
     env_world_size,
+    export_job_environment,
     init_distributed,
     pick_device,
 )
@@ -56,6 +57,7 @@ from .guard import (
     step_unless,
     supports_found_inf,
 )
+from .preemption import Preempted, PreemptionFlag
 from .train_state import capture_rng, load_train_state, remove_stale_temporaries, restore_rng, save_train_state
 
 log = logging.getLogger("swin.train")
@@ -256,6 +258,7 @@ class Run:
     history: list[dict[str, Any]] = field(default_factory=list)
     wandb_id: str | None = None
     wandb_run: Any = None
+    preemption: PreemptionFlag = field(default_factory=PreemptionFlag)  # the cluster's stop signal (train())
 
     @property
     def device(self) -> torch.device:
@@ -590,6 +593,10 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
         if (step == first or step + 1 == run.steps_per_epoch or save_now or run.global_step % check_every == 0
                 or run.global_step % run.cfg.logger.log_every_steps == 0):
             epoch_loss = check_point(run, reads, clock, epoch, step, bar)
+            # the epoch's end is left to finish_epoch, which saves anyway (then _run stops)
+            if step + 1 < run.steps_per_epoch and run.preemption.agreed(run.device):
+                bar.close()
+                stop_for_preemption(run, epoch, step + 1)
         if save_now:
             save_checkpoint(run, "last.pt", epoch, step + 1)
     bar.close()
@@ -633,6 +640,15 @@ def save_checkpoint(run: Run, name: str, epoch: int, step: int) -> None:
         "world_size": run.dist.world_size, "wandb_id": run.wandb_run.id if run.wandb_run is not None else run.wandb_id,
         "config": OmegaConf.to_container(run.cfg, resolve=True),
     })
+
+
+def stop_for_preemption(run: Run, epoch: int, step: int, saved: bool = False) -> None:
+    """The cluster's signal arrived (on any process): write last.pt now, unless just written, and stop."""
+    if not saved:
+        save_checkpoint(run, "last.pt", epoch, step)
+    raise Preempted(f"{run.preemption.signum.name} received (time limit or preemption): saved "
+                    f"{run.ckpt_dir / 'last.pt'} after {epoch} epoch(s) + {step} step(s); the requeued job, or "
+                    "the same command, continues from it")
 
 
 def finish_epoch(run: Run, record: dict[str, Any]) -> None:
@@ -709,6 +725,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         device = pick_device(cfg.device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    export_job_environment()  # a submitit / srun job of several tasks: torchrun's variables from the job
     check_config(cfg, env_world_size(), device)
     dist = init_distributed(cfg.device)
     # every rank uses rank 0's run directory (timestamps in hydra.run.dir may differ between ranks)
@@ -717,18 +734,26 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     barrier()
     handlers = _setup_logging(run_dir, dist.is_main)
+    preemption = PreemptionFlag()
+    preemption.install()
     try:
-        return _run(cfg, run_dir, dist)
+        return _run(cfg, run_dir, dist, preemption)
+    except Preempted as e:
+        log.warning(str(e))
+        preemption.requeue(dist.is_main)
+        raise
     finally:
+        preemption.uninstall()
         for h in handlers:
             log.removeHandler(h)
             h.close()
         cleanup()
 
 
-def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> dict[str, Any]:
+def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, preemption: PreemptionFlag) -> dict[str, Any]:
     log.info(f"run dir {run_dir}, device {dist.device}, {dist.world_size} process(es)")
     run = setup(cfg, run_dir, dist)
+    run.preemption = preemption
     resume(run)
     if dist.is_main:
         run.wandb_run = _init_wandb(cfg, run_dir, run.wandb_id)
@@ -738,6 +763,8 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> dict[str, Any]:
         if (epoch + 1) % t.eval_every == 0 or epoch + 1 == t.epochs:
             record.update(evaluate_epoch(run))
         finish_epoch(run, record)
+        if epoch + 1 < t.epochs and preemption.agreed(dist.device):
+            stop_for_preemption(run, epoch + 1, 0, saved=True)
     summary = write_summary(run, time.perf_counter() - t_start)
     barrier()
     return summary

@@ -56,6 +56,26 @@ def torchrun_cmd(*args: str, nproc: int, nnodes: int = 1, node_rank: int = 0, po
             f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}", "train.py", *args]
 
 
+def submitit_local_cmd(*args: str, tasks: int) -> list[str]:
+    """train.py as a Hydra multirun through the submitit launcher's local executor (configs/hydra/launcher/local.yaml):
+    one job of `tasks` processes on this machine, laid out as a SLURM job."""
+    return [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=local",
+            f"hydra.launcher.gpus_per_node={tasks}", "hydra.launcher.timeout_min=10", "device=cpu", *args]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (Linux /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(command name)": state, ppid, ...
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
 class CrashOrNaN:
     """Wrap swin.create_model so that chosen training forward calls return NaN or raise (a crash)."""
 
