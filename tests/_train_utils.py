@@ -100,6 +100,25 @@ class CrashOrNaN:
         return output
 
 
+class SignalAt:
+    """Wrap swin.create_model so that the process sends itself `signum` in its `call`-th training forward."""
+
+    def __init__(self, call: int, signum: int):
+        self.call, self.signum, self.calls = call, signum, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        import swin
+        model = swin.create_model(*args, **kwargs)
+        model.register_forward_hook(self._hook)
+        return model
+
+    def _hook(self, module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if module.training:
+            self.calls += 1
+            if self.calls == self.call:
+                os.kill(os.getpid(), self.signum)
+
+
 def image_folder(root: Path, corrupt: bool = False) -> None:
     """train/ and val/ of red and blue 20x20 images (class0, class1); optionally two unreadable files."""
     from PIL import Image
