@@ -1,6 +1,7 @@
 """The training loop behind train.py, in the order it runs.
 
-``train(cfg, run_dir)`` checks the config and joins the process group (torchrun); ``setup`` builds data,
+``train(cfg, run_dir)`` checks the config and joins the process group (torchrun, or a submitit / srun job
+of several tasks: swin.distributed); ``setup`` builds data,
 model, optimizer, scheduler, loss, AMP and EMA into a :class:`Run`; ``resume`` continues from a checkpoint
 when there is one; ``train_one_epoch`` runs the updates of an epoch (``train_step``: micro-batches with
 DDP no_sync; ``apply_update``: clipping and the non-finite guard); ``evaluate_epoch`` validates;
@@ -9,7 +10,8 @@ into the run directory (rank 0 only).
 
 The steady-state step never waits for the device: batches arrive on the device one step ahead
 (swin.data.DeviceLoader), a non-finite loss or gradient skips the update on the device (swin.guard),
-and the host reads the device counters only at check points (see train_one_epoch).
+and the host reads the device counters only at check points (see train_one_epoch). The cluster's stop signal
+(swin.preemption) is acted upon at check points too: last.pt, then a requeue.
 """
 from __future__ import annotations
 
@@ -90,21 +92,41 @@ def _pair(v: Any) -> tuple[int, int]:
     return (int(v), int(v)) if isinstance(v, (int, float)) else (int(v[0]), int(v[1]))
 
 
+# Value ranges; the types come from the schema (swin/config.py), which Hydra checks when it composes.
+AT_LEAST = {  # key: lowest accepted value (null is accepted where the schema allows it)
+    "train.epochs": 1, "train.batch_size": 1, "train.accum_steps": 1, "train.eval_batch_size": 1,
+    "train.lr_base_size": 1, "train.eval_every": 1, "train.max_nonfinite": 1, "logger.log_every_steps": 1,
+    "data.train_limit": 1, "data.val_limit": 1, "train.warmup_epochs": 0, "train.save_every_epochs": 0,
+    "train.save_every_steps": 0, "train.lr": 0, "train.min_lr": 0, "train.warmup_lr": 0, "train.weight_decay": 0,
+    "train.mixup": 0, "train.cutmix": 0, "data.num_workers": 0,
+}
+FRACTIONS = ("train.label_smoothing", "train.ema_decay", "train.mixup_prob", "train.mixup_switch_prob")
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """One line naming the key and what it accepts for a value of the right type but out of range."""
+    for key, lowest in AT_LEAST.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < lowest:
+            raise ConfigError(f"{key}={value}: set {key} to {lowest} or more")
+    for key in FRACTIONS:
+        value = OmegaConf.select(cfg, key)
+        if not 0 <= value <= 1:
+            raise ConfigError(f"{key}={value}: set {key} between 0 and 1")
+
+
 def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None:
     """Reject configurations that would fail (or silently misbehave) later, before any work is done."""
     t, m = cfg.train, cfg.model
     if m.name not in MODEL_CONFIGS:
         raise ConfigError(f"unknown model {m.name!r}; use model=<{'|'.join(sorted(MODEL_CONFIGS))}>")
-    if t.epochs < 1:
-        raise ConfigError(f"train.epochs={t.epochs}: set train.epochs to 1 or more")
+    check_ranges(cfg)
     if t.get("require_pretrained") and not m.get("pretrained"):
         raise ConfigError("this experiment fine-tunes pretrained weights: pass model.pretrained=PATH (a timm, "
                           "official Microsoft or train.py checkpoint) or model.pretrained=timm:<name.tag>")
     if t.warmup_epochs >= t.epochs:
         raise ConfigError(f"train.warmup_epochs={t.warmup_epochs} leaves no epoch after warm-up "
                           f"(train.epochs={t.epochs}); lower train.warmup_epochs")
-    if t.accum_steps < 1:
-        raise ConfigError(f"train.accum_steps={t.accum_steps}: set it to 1 or more")
     per_update = world_size * t.accum_steps
     if t.batch_size % per_update:
         raise ConfigError(

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_dir
 
+import swin.config  # noqa: F401  (registers the config schemas before compose)
+
 REPO = Path(__file__).resolve().parents[1]
 # quiet and fast: no wandb, no progress bar, no periodic epoch checkpoints
 FAST = ["logger.wandb.mode=disabled", "logger.progress=false", "train.save_every_epochs=0"]
