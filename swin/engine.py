@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
@@ -664,7 +664,7 @@ def save_checkpoint(run: Run, name: str, epoch: int, step: int) -> None:
     })
 
 
-def stop_for_preemption(run: Run, epoch: int, step: int, saved: bool = False) -> None:
+def stop_for_preemption(run: Run, epoch: int, step: int, saved: bool = False) -> NoReturn:
     """The cluster's signal arrived (on any process): write last.pt now, unless just written, and stop."""
     if not saved:
         save_checkpoint(run, "last.pt", epoch, step)
