@@ -26,9 +26,10 @@ class ModelConfig:
     attention: str = MISSING
     pretrained: str | None = MISSING
     num_classes: int | None = MISSING
-    img_size: int = MISSING
-    patch_size: int = MISSING
-    window_size: int = MISSING
+    # an int or [height, width], as create_model takes them (OmegaConf has no int-or-list type: check_config checks)
+    img_size: Any = MISSING
+    patch_size: Any = MISSING
+    window_size: Any = MISSING
     embed_dim: int = MISSING
     depths: list[int] = MISSING
     num_heads: list[int] = MISSING
@@ -69,7 +70,7 @@ class ImageFolderDataConfig(DataConfig):
     scale: list[float] = MISSING
     ratio: list[float] = MISSING
     hflip: float = MISSING
-    color_jitter: float | None = MISSING
+    color_jitter: Any = MISSING  # one strength, or [brightness, contrast, saturation(, hue)] as timm takes it
     auto_augment: str | None = MISSING
     reprob: float = MISSING
     remode: str = MISSING

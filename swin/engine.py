@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
@@ -88,8 +88,14 @@ def _model_arch(cfg_model: DictConfig) -> dict[str, Any]:
     return arch
 
 
-def _pair(v: Any) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, (int, float)) else (int(v[0]), int(v[1]))
+def _size(key: str, value: Any) -> tuple[int, int]:
+    """model.<key> as (height, width): an int, or [height, width] as create_model takes it."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, (list, tuple, ListConfig)) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return int(value[0]), int(value[1])
+    raise ConfigError(f"model.{key}={value!r}: use an integer or [height, width] (integers)")
 
 
 # Value ranges; the types come from the schema (swin/config.py), which Hydra checks when it composes.
@@ -151,7 +157,7 @@ def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None
                           f"{device.type}); use model.attention=auto (flash_window on GPUs, sdpa elsewhere) "
                           "or model.attention=sdpa")
     arch = _model_arch(m)
-    img, patch, window = _pair(arch["img_size"]), _pair(arch["patch_size"]), _pair(arch["window_size"])
+    img, patch, window = (_size(k, arch[k]) for k in ("img_size", "patch_size", "window_size"))
     if img[0] % patch[0] or img[1] % patch[1]:
         raise ConfigError(f"model.img_size={arch['img_size']} is not a multiple of model.patch_size="
                           f"{arch['patch_size']}; change model.img_size")

@@ -1,6 +1,9 @@
 """The config schemas (swin/config.py): every YAML key and value composes through them unchanged, every config
 file of a group composes, and a wrong type, an unknown key or a key of another dataset is refused at composition."""
+import re
+
 import pytest
+import torch
 from _train_utils import REPO, make_cfg
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
@@ -79,3 +82,14 @@ def test_benchmark_grid_rows_are_typed():
     assert cfg.grid.rows[0].compile_mode == "reduce-overhead" and cfg.time_budget_s == 450
     with pytest.raises(ConfigCompositionException):
         _compose("benchmark", "grid.batch_size=[big]")
+
+
+def test_model_sizes_take_an_int_or_height_width():
+    from swin.engine import ConfigError, check_config
+
+    cpu = torch.device("cpu")
+    check_config(make_cfg("model.img_size=[16,24]", "model.window_size=[4,4]"), 1, cpu)  # rectangular: accepted
+    for override, says in (("model.img_size=abc", "model.img_size='abc': use an integer or [height, width]"),
+                           ("model.window_size=[4,4,4]", "model.window_size=[4, 4, 4]: use an integer or")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            check_config(make_cfg(override), 1, cpu)
