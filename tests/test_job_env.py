@@ -12,8 +12,9 @@ TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 
 @pytest.fixture
 def no_torchrun(monkeypatch):
-    for key in TORCHRUN:
-        monkeypatch.delenv(key, raising=False)  # also restores what the code under test exports
+    for key in TORCHRUN:  # setenv first: teardown then removes what the code under test exports
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     return monkeypatch
 
 
@@ -53,3 +54,7 @@ def test_torchrun_variables_win_and_one_task_is_one_process(no_torchrun):
     _as_submitit_task(no_torchrun, "4242", 1, tasks=2)
     no_torchrun.setenv("WORLD_SIZE", "8")  # under torchrun: its variables stay
     assert export_job_environment() is None and os.environ["WORLD_SIZE"] == "8" and "RANK" not in os.environ
+
+
+def test_exported_variables_do_not_outlive_a_test():
+    assert not set(TORCHRUN) & set(os.environ)  # runs after the tests above (file order)
