@@ -45,6 +45,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+import swin.config  # noqa: E402, F401  (registers the config schemas before Hydra composes)
 from swin.data import build_datasets, build_loaders  # noqa: E402
 from swin.distributed import pick_device  # noqa: E402
 from swin.gpu_data import jpeg_frame  # noqa: E402

@@ -1,4 +1,5 @@
-"""Distributed helpers: process-group setup from torchrun's environment, and small collectives.
+"""Distributed helpers: process-group setup from torchrun's environment (or a submitit / srun job's,
+translated into torchrun's variables), and small collectives.
 
 Every function also works in a plain single process (no process group), so the training loop
 calls them unconditionally.
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import io
 import os
+import random
+import subprocess
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +38,61 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+# the range submitit's TorchDistributedEnvironment draws its job-id-seeded port from
+MASTER_PORTS = (20000, 60000)
+
+
+def job_master_port(job_id: str) -> int:
+    """MASTER_PORT if set, else a port derived from the job id: every task of a job computes the same one,
+    and two jobs sharing a node rarely collide (submitit's rule)."""
+    if "MASTER_PORT" in os.environ:
+        return int(os.environ["MASTER_PORT"])
+    return random.Random(job_id).randint(*MASTER_PORTS)
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    # SLURM's compressed node lists ("gpu[01-04,07]") are expanded by scontrol, present wherever srun is
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return out.stdout.split()[0]
+
+
+def job_environment() -> dict[str, str] | None:
+    """torchrun's variables for a task of a multi-task job started without torchrun, or None.
+
+    A submitit job (Hydra's submitit launcher, submitit's executors) is described by submitit.JobEnvironment;
+    an srun step by SLURM's variables. Rank 0 runs on the job's (step's) first host; the port is
+    job_master_port(job id).
+    """
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        import submitit
+
+        env = submitit.JobEnvironment()
+        if env.num_tasks == 1:
+            return None
+        rank, local_rank, world = env.global_rank, env.local_rank, env.num_tasks
+        local_world, host, job_id = world // env.num_nodes, env.hostnames[0], env.job_id
+    elif int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:  # srun sets it for its tasks, sbatch does not
+        rank, local_rank = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_LOCALID"])
+        world = int(os.environ["SLURM_STEP_NUM_TASKS"])
+        local_world = world // int(os.environ.get("SLURM_STEP_NUM_NODES", "1"))
+        host, job_id = _first_slurm_host(os.environ["SLURM_STEP_NODELIST"]), os.environ["SLURM_JOB_ID"]
+    else:
+        return None
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": host, "MASTER_PORT": str(job_master_port(job_id))}
+
+
+def export_job_environment() -> dict[str, str] | None:
+    """Without torchrun, in a multi-task submitit or srun job: set torchrun's variables from the job (returned),
+    so that the rest of the set-up is torchrun's path. torchrun's own variables, when present, win."""
+    if "WORLD_SIZE" in os.environ:
+        return None
+    env = job_environment()
+    if env is not None:
+        os.environ.update(env)
+    return env
+
+
 def pick_device(name: str) -> torch.device:
     """'auto' -> cuda if available else cpu; 'cuda' without a GPU is an error naming the fix."""
     if name == "auto":
@@ -56,7 +114,8 @@ def init_distributed(device_name: str = "auto") -> DistInfo:
         return DistInfo(0, 0, 1, device)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
+        # a cluster that binds one GPU to each task shows each task only its own, as device 0
+        device = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",

@@ -1,6 +1,7 @@
 """The training loop behind train.py, in the order it runs.
 
-``train(cfg, run_dir)`` checks the config and joins the process group (torchrun); ``setup`` builds data,
+``train(cfg, run_dir)`` checks the config and joins the process group (torchrun, or a submitit / srun job
+of several tasks: swin.distributed); ``setup`` builds data,
 model, optimizer, scheduler, loss, AMP and EMA into a :class:`Run`; ``resume`` continues from a checkpoint
 when there is one; ``train_one_epoch`` runs the updates of an epoch (``train_step``: micro-batches with
 DDP no_sync; ``apply_update``: clipping and the non-finite guard); ``evaluate_epoch`` validates;
@@ -9,7 +10,8 @@ into the run directory (rank 0 only).
 
 The steady-state step never waits for the device: batches arrive on the device one step ahead
 (swin.data.DeviceLoader), a non-finite loss or gradient skips the update on the device (swin.guard),
-and the host reads the device counters only at check points (see train_one_epoch).
+and the host reads the device counters only at check points (see train_one_epoch). The cluster's stop signal
+(swin.preemption) is acted upon at check points too: last.pt, then a requeue.
 """
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
@@ -45,6 +47,7 @@ from .distributed import (
     broadcast_object,
     cleanup,
     env_world_size,
+    export_job_environment,
     init_distributed,
     pick_device,
 )
@@ -56,6 +59,7 @@ from .guard import (
     step_unless,
     supports_found_inf,
 )
+from .preemption import Preempted, PreemptionFlag
 from .train_state import capture_rng, load_train_state, remove_stale_temporaries, restore_rng, save_train_state
 
 log = logging.getLogger("swin.train")
@@ -84,8 +88,37 @@ def _model_arch(cfg_model: DictConfig) -> dict[str, Any]:
     return arch
 
 
-def _pair(v: Any) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, (int, float)) else (int(v[0]), int(v[1]))
+def _size(key: str, value: Any) -> tuple[int, int]:
+    """model.<key> as (height, width): an int, or [height, width] as create_model takes it."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, (list, tuple, ListConfig)) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return int(value[0]), int(value[1])
+    raise ConfigError(f"model.{key}={value!r}: use an integer or [height, width] (integers)")
+
+
+# Value ranges; the types come from the schema (swin/config.py), which Hydra checks when it composes.
+AT_LEAST = {  # key: lowest accepted value (null is accepted where the schema allows it)
+    "train.epochs": 1, "train.batch_size": 1, "train.accum_steps": 1, "train.eval_batch_size": 1,
+    "train.lr_base_size": 1, "train.eval_every": 1, "train.max_nonfinite": 1, "logger.log_every_steps": 1,
+    "data.train_limit": 1, "data.val_limit": 1, "train.warmup_epochs": 0, "train.save_every_epochs": 0,
+    "train.save_every_steps": 0, "train.lr": 0, "train.min_lr": 0, "train.warmup_lr": 0, "train.weight_decay": 0,
+    "train.mixup": 0, "train.cutmix": 0, "data.num_workers": 0,
+}
+FRACTIONS = ("train.label_smoothing", "train.ema_decay", "train.mixup_prob", "train.mixup_switch_prob")
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """One line naming the key and what it accepts for a value of the right type but out of range."""
+    for key, lowest in AT_LEAST.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < lowest:
+            raise ConfigError(f"{key}={value}: set {key} to {lowest} or more")
+    for key in FRACTIONS:
+        value = OmegaConf.select(cfg, key)
+        if not 0 <= value <= 1:
+            raise ConfigError(f"{key}={value}: set {key} between 0 and 1")
 
 
 def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None:
@@ -93,16 +126,13 @@ def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None
     t, m = cfg.train, cfg.model
     if m.name not in MODEL_CONFIGS:
         raise ConfigError(f"unknown model {m.name!r}; use model=<{'|'.join(sorted(MODEL_CONFIGS))}>")
-    if t.epochs < 1:
-        raise ConfigError(f"train.epochs={t.epochs}: set train.epochs to 1 or more")
+    check_ranges(cfg)
     if t.get("require_pretrained") and not m.get("pretrained"):
         raise ConfigError("this experiment fine-tunes pretrained weights: pass model.pretrained=PATH (a timm, "
                           "official Microsoft or train.py checkpoint) or model.pretrained=timm:<name.tag>")
     if t.warmup_epochs >= t.epochs:
         raise ConfigError(f"train.warmup_epochs={t.warmup_epochs} leaves no epoch after warm-up "
                           f"(train.epochs={t.epochs}); lower train.warmup_epochs")
-    if t.accum_steps < 1:
-        raise ConfigError(f"train.accum_steps={t.accum_steps}: set it to 1 or more")
     per_update = world_size * t.accum_steps
     if t.batch_size % per_update:
         raise ConfigError(
@@ -127,7 +157,7 @@ def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None
                           f"{device.type}); use model.attention=auto (flash_window on GPUs, sdpa elsewhere) "
                           "or model.attention=sdpa")
     arch = _model_arch(m)
-    img, patch, window = _pair(arch["img_size"]), _pair(arch["patch_size"]), _pair(arch["window_size"])
+    img, patch, window = (_size(k, arch[k]) for k in ("img_size", "patch_size", "window_size"))
     if img[0] % patch[0] or img[1] % patch[1]:
         raise ConfigError(f"model.img_size={arch['img_size']} is not a multiple of model.patch_size="
                           f"{arch['patch_size']}; change model.img_size")
@@ -256,6 +286,7 @@ class Run:
     history: list[dict[str, Any]] = field(default_factory=list)
     wandb_id: str | None = None
     wandb_run: Any = None
+    preemption: PreemptionFlag = field(default_factory=PreemptionFlag)  # the cluster's stop signal (train())
 
     @property
     def device(self) -> torch.device:
@@ -590,6 +621,10 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
         if (step == first or step + 1 == run.steps_per_epoch or save_now or run.global_step % check_every == 0
                 or run.global_step % run.cfg.logger.log_every_steps == 0):
             epoch_loss = check_point(run, reads, clock, epoch, step, bar)
+            # the epoch's end is left to finish_epoch, which saves anyway (then _run stops)
+            if step + 1 < run.steps_per_epoch and run.preemption.agreed(run.device):
+                bar.close()
+                stop_for_preemption(run, epoch, step + 1)
         if save_now:
             save_checkpoint(run, "last.pt", epoch, step + 1)
     bar.close()
@@ -633,6 +668,15 @@ def save_checkpoint(run: Run, name: str, epoch: int, step: int) -> None:
         "world_size": run.dist.world_size, "wandb_id": run.wandb_run.id if run.wandb_run is not None else run.wandb_id,
         "config": OmegaConf.to_container(run.cfg, resolve=True),
     })
+
+
+def stop_for_preemption(run: Run, epoch: int, step: int, saved: bool = False) -> NoReturn:
+    """The cluster's signal arrived (on any process): write last.pt now, unless just written, and stop."""
+    if not saved:
+        save_checkpoint(run, "last.pt", epoch, step)
+    raise Preempted(f"{run.preemption.signum.name} received (time limit or preemption): saved "
+                    f"{run.ckpt_dir / 'last.pt'} after {epoch} epoch(s) + {step} step(s); the requeued job, or "
+                    "the same command, continues from it")
 
 
 def finish_epoch(run: Run, record: dict[str, Any]) -> None:
@@ -709,6 +753,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         device = pick_device(cfg.device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    export_job_environment()  # a submitit / srun job of several tasks: torchrun's variables from the job
     check_config(cfg, env_world_size(), device)
     dist = init_distributed(cfg.device)
     # every rank uses rank 0's run directory (timestamps in hydra.run.dir may differ between ranks)
@@ -717,18 +762,26 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     barrier()
     handlers = _setup_logging(run_dir, dist.is_main)
+    preemption = PreemptionFlag()
+    preemption.install()
     try:
-        return _run(cfg, run_dir, dist)
+        return _run(cfg, run_dir, dist, preemption)
+    except Preempted as e:
+        log.warning(str(e))
+        preemption.requeue(dist.is_main)
+        raise
     finally:
+        preemption.uninstall()
         for h in handlers:
             log.removeHandler(h)
             h.close()
         cleanup()
 
 
-def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> dict[str, Any]:
+def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, preemption: PreemptionFlag) -> dict[str, Any]:
     log.info(f"run dir {run_dir}, device {dist.device}, {dist.world_size} process(es)")
     run = setup(cfg, run_dir, dist)
+    run.preemption = preemption
     resume(run)
     if dist.is_main:
         run.wandb_run = _init_wandb(cfg, run_dir, run.wandb_id)
@@ -738,6 +791,8 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> dict[str, Any]:
         if (epoch + 1) % t.eval_every == 0 or epoch + 1 == t.epochs:
             record.update(evaluate_epoch(run))
         finish_epoch(run, record)
+        if epoch + 1 < t.epochs and preemption.agreed(dist.device):
+            stop_for_preemption(run, epoch + 1, 0, saved=True)
     summary = write_summary(run, time.perf_counter() - t_start)
     barrier()
     return summary

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_dir
 
+import swin.config  # noqa: F401  (registers the config schemas before compose)
+
 REPO = Path(__file__).resolve().parents[1]
 # quiet and fast: no wandb, no progress bar, no periodic epoch checkpoints
 FAST = ["logger.wandb.mode=disabled", "logger.progress=false", "train.save_every_epochs=0"]
@@ -56,6 +58,26 @@ def torchrun_cmd(*args: str, nproc: int, nnodes: int = 1, node_rank: int = 0, po
             f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}", "train.py", *args]
 
 
+def submitit_local_cmd(*args: str, tasks: int) -> list[str]:
+    """train.py as a Hydra multirun through the submitit launcher's local executor (configs/hydra/launcher/local.yaml):
+    one job of `tasks` processes on this machine, laid out as a SLURM job."""
+    return [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=local",
+            f"hydra.launcher.gpus_per_node={tasks}", "hydra.launcher.timeout_min=10", "device=cpu", *args]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (Linux /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(command name)": state, ppid, ...
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
 class CrashOrNaN:
     """Wrap swin.create_model so that chosen training forward calls return NaN or raise (a crash)."""
 
@@ -78,6 +100,25 @@ class CrashOrNaN:
         if self.calls in self.nan_calls or (self.nan_from is not None and self.calls >= self.nan_from):
             return output * float("nan")
         return output
+
+
+class SignalAt:
+    """Wrap swin.create_model so that the process sends itself `signum` in its `call`-th training forward."""
+
+    def __init__(self, call: int, signum: int):
+        self.call, self.signum, self.calls = call, signum, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        import swin
+        model = swin.create_model(*args, **kwargs)
+        model.register_forward_hook(self._hook)
+        return model
+
+    def _hook(self, module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if module.training:
+            self.calls += 1
+            if self.calls == self.call:
+                os.kill(os.getpid(), self.signum)
 
 
 def image_folder(root: Path, corrupt: bool = False) -> None:

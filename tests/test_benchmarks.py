@@ -106,7 +106,7 @@ def test_every_grid_config_expands(grid):
     """Each configs/grid/ entry composes with configs/benchmark.yaml and expands into valid rows."""
     from hydra import compose, initialize_config_dir
 
-    from scripts.benchmark import expand_grid
+    from scripts.benchmark import expand_grid  # imports swin.config: the schemas are registered
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("benchmark", overrides=[f"grid={grid}"])

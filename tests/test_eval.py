@@ -18,6 +18,7 @@ from timm.utils import accuracy
 from torch.utils.data import DataLoader, TensorDataset
 
 import swin
+import swin.config  # noqa: F401  (registers the config schemas before compose)
 from swin.evaluate import evaluate, overridden_groups, run_eval
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,6 +13,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import swin
+import swin.config  # noqa: F401  (registers the config schemas before compose)
 
 ROOT = Path(__file__).resolve().parents[1]
 

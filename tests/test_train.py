@@ -13,6 +13,7 @@ from _train_utils import (
     FAST,
     REPO,
     CrashOrNaN,
+    SignalAt,
     cli_env,
     image_folder,
     make_cfg,
@@ -57,6 +58,28 @@ def test_resume_mid_epoch_gives_the_uninterrupted_result(tmp_path, monkeypatch):
     summary = train_inprocess(run, *args)
     assert summary["epochs"] == 2 and [h["epoch"] for h in summary["history"]] == [1, 2]
     assert "resumed from" in (run / "train.log").read_text()
+    ref = model_weights(tmp_path / "ref" / "checkpoints" / "last.pt")
+    got = model_weights(run / "checkpoints" / "last.pt")
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_stop_signal_saves_at_next_check_point_and_same_command_finishes(tmp_path, monkeypatch):
+    """SIGUSR2 (SLURM's warning before the time limit) outside a cluster job: last.pt at the next check point, a
+    Preempted stop, and the same command ends with exactly the weights of an uninterrupted run."""
+    from swin.preemption import Preempted
+
+    args = [*DET, "train.max_nonfinite=2"]  # 6 steps/epoch; check points every 2 updates and at epoch ends
+    train_inprocess(tmp_path / "ref", *args)
+    run = tmp_path / "run"
+    monkeypatch.setattr("swin.engine.create_model", SignalAt(call=8, signum=signal.SIGUSR2))  # epoch 2, step 2
+    with pytest.raises(Preempted, match=r"SIGUSR2 received .* after 1 epoch\(s\) \+ 2 step\(s\)"):
+        train_inprocess(run, *args)
+    state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    assert (state["epoch"], state["step_in_epoch"], state["global_step"]) == (1, 2, 8)  # global step 8 checks
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the handler is gone with the run
+    monkeypatch.undo()
+    summary = train_inprocess(run, *args)
+    assert [h["epoch"] for h in summary["history"]] == [1, 2] and summary["global_step"] == 12
     ref = model_weights(tmp_path / "ref" / "checkpoints" / "last.pt")
     got = model_weights(run / "checkpoints" / "last.pt")
     assert all(torch.equal(ref[k], got[k]) for k in ref)

@@ -54,6 +54,10 @@ def test_corrupt_images_skipped_and_counted(tmp_path):
     ("train.accum_steps=3", r"multiple of 3"),
     ("model.attention=flash_window", r"model.attention=auto"),
     ("train.amp=fp8", r"use auto, bf16, fp16 or fp32"),
+    ("train.batch_size=-4", r"^train.batch_size=-4: set train.batch_size to 1 or more$"),
+    ("train.eval_batch_size=0", r"^train.eval_batch_size=0: set train.eval_batch_size to 1 or more$"),
+    ("data.num_workers=-1", r"^data.num_workers=-1: set data.num_workers to 0 or more$"),
+    ("train.label_smoothing=1.5", r"^train.label_smoothing=1.5: set train.label_smoothing between 0 and 1$"),
 ])
 def test_wrong_config_fails_before_training(tmp_path, override, fix):
     with pytest.raises(ConfigError, match=fix):
@@ -71,3 +75,16 @@ def test_cli_config_error_is_a_message_not_a_traceback(tmp_path):
     r = run_cli(f"hydra.run.dir={tmp_path}", "train.batch_size=30", "train.accum_steps=4")
     assert r.returncode == 2
     assert "error: train.batch_size=30 is not divisible" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("override, says", [
+    # a wrong type: Hydra's message from the schema (swin/config.py), naming the key and the type it accepts
+    ("train.lr=abc", ["Error merging override train.lr=abc", "could not be converted to Float", "full_key: train.lr"]),
+    # the right type out of range: our one line
+    ("train.batch_size=-4", ["error: train.batch_size=-4: set train.batch_size to 1 or more\n"]),
+])
+def test_cli_bad_value_fails_at_start_naming_the_key(tmp_path, override, says):
+    r = run_cli(f"hydra.run.dir={tmp_path}", override)
+    assert r.returncode != 0 and all(s in r.stderr for s in says), r.stderr
+    assert "Traceback" not in r.stderr and "TypeError" not in r.stderr
+    assert not (tmp_path / "checkpoints").exists()  # nothing built

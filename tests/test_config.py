@@ -1,0 +1,95 @@
+"""The config schemas (swin/config.py): every YAML key and value composes through them unchanged, every config
+file of a group composes, and a wrong type, an unknown key or a key of another dataset is refused at composition."""
+import re
+
+import pytest
+import torch
+from _train_utils import REPO, make_cfg
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from swin.config import DigitsDataConfig, ImageFolderDataConfig, SyntheticDataConfig, TrainConfig
+
+CONFIGS = REPO / "configs"
+MODELS = sorted(p.stem for p in (CONFIGS / "model").glob("*.yaml"))
+DATA = sorted(p.stem for p in (CONFIGS / "data").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+
+
+def _yaml(name: str) -> dict:
+    """A config file's own keys and values, as written (no defaults list, no hydra node)."""
+    cfg = OmegaConf.load(CONFIGS / name)
+    for key in ("defaults", "hydra"):
+        cfg.pop(key, None)
+    return OmegaConf.to_container(cfg)
+
+
+def _compose(config: str, *overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config, overrides=list(overrides))
+
+
+@pytest.mark.parametrize("data", DATA)
+@pytest.mark.parametrize("model", MODELS)
+def test_train_config_through_the_schema_is_the_yaml(model, data):
+    cfg = make_cfg(f"model={model}", f"data={data}")
+    want = {**_yaml("train.yaml"), "model": _yaml(f"model/{model}.yaml"), "data": _yaml(f"data/{data}.yaml")}
+    assert OmegaConf.to_container(cfg) == want  # same keys, same values (ints in float keys compare equal)
+
+
+@pytest.mark.parametrize("config", ["eval", "bench_data"])
+def test_other_app_configs_through_the_schema_are_the_yaml(config):
+    cfg = _compose(config)
+    want = _yaml(f"{config}.yaml")
+    defaults = OmegaConf.load(CONFIGS / f"{config}.yaml").defaults
+    groups = {k: v for d in defaults if isinstance(d, dict) or OmegaConf.is_dict(d) for k, v in d.items()
+              if k in ("model", "data")}
+    want.update({group: _yaml(f"{group}/{name}.yaml") for group, name in groups.items()})
+    assert OmegaConf.to_container(cfg) == want
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_typed(experiment):
+    cfg = make_cfg(f"experiment={experiment}", "model.pretrained=x.pth")
+    assert OmegaConf.get_type(cfg.train) is TrainConfig and cfg.train.epochs >= 30
+
+
+def test_each_dataset_has_its_own_schema():
+    assert OmegaConf.get_type(make_cfg().data) is DigitsDataConfig
+    assert OmegaConf.get_type(make_cfg("data=imagenet").data) is ImageFolderDataConfig
+    assert OmegaConf.get_type(make_cfg("data=synthetic").data) is SyntheticDataConfig
+
+
+@pytest.mark.parametrize("override, says", [
+    ("train.lr=abc", "could not be converted to Float"),
+    ("train.ema=maybe", "is not a valid bool"),
+    ("model.depths=[2,x]", "could not be converted to Integer"),
+    ("data.shift=1.5", "could not be converted to Integer"),
+    ("train.epochz=3", "Could not override 'train.epochz'"),
+    ("data.mean=[0.5]", "Could not override 'data.mean'"),  # an imagefolder key, not a digits one
+])
+def test_wrong_type_or_key_is_refused_at_composition(override, says):
+    with pytest.raises(ConfigCompositionException) as e:
+        make_cfg(override)
+    message = f"{e.value}\n{e.value.__cause__}"
+    assert says in message and override.split("=")[0] in message, message
+
+
+def test_benchmark_grid_rows_are_typed():
+    cfg = _compose("benchmark", "grid=best")
+    assert [row.compile for row in cfg.grid.rows] == [[True]] * 3
+    assert cfg.grid.rows[0].compile_mode == "reduce-overhead" and cfg.time_budget_s == 450
+    with pytest.raises(ConfigCompositionException):
+        _compose("benchmark", "grid.batch_size=[big]")
+
+
+def test_model_sizes_take_an_int_or_height_width():
+    from swin.engine import ConfigError, check_config
+
+    cpu = torch.device("cpu")
+    check_config(make_cfg("model.img_size=[16,24]", "model.window_size=[4,4]"), 1, cpu)  # rectangular: accepted
+    for override, says in (("model.img_size=abc", "model.img_size='abc': use an integer or [height, width]"),
+                           ("model.window_size=[4,4,4]", "model.window_size=[4, 4, 4]: use an integer or")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            check_config(make_cfg(override), 1, cpu)
