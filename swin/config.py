@@ -37,6 +37,14 @@ class ModelConfig:
 
 
 @dataclass
+class SwinV2ModelConfig(ModelConfig):
+    """configs/model/swinv2_*.yaml: also the windows the weights were pretrained with, one per stage (0: the
+    stage's own window)."""
+
+    pretrained_window_sizes: list[int] = MISSING
+
+
+@dataclass
 class DataConfig:
     """Keys every dataset has; each configs/data/ file extends one of the subclasses."""
 
@@ -295,6 +303,7 @@ def register_configs() -> None:
     for name, node in (("digits", DigitsDataConfig), ("imagefolder", ImageFolderDataConfig),
                        ("synthetic", SyntheticDataConfig)):
         cs.store(group="schema/data", name=name, node=node)
+    cs.store(group="schema/model", name="swinv2", node=SwinV2ModelConfig)
 
 
 register_configs()
