@@ -8,7 +8,7 @@ import pytest
 import timm
 import torch
 from packaging.version import Version
-from test_model import rel_err, skip_if_timm_floors_odd_stages
+from test_model import assert_same_logits_and_grads, rel_err, skip_if_timm_floors_odd_stages
 from timm.models import swin_transformer_v2 as timm_v2
 
 import swin
@@ -64,16 +64,7 @@ def twin_models(name: str, overrides: dict, attention: str):
 @pytest.mark.parametrize("name,overrides,batch", CASES, ids=["256", "non-square-window", "padded"])
 def test_logits_and_grads_match_timm(name, overrides, batch, attention):
     ours, ref = twin_models(name, overrides, attention)
-    x = torch.randn(batch, 3, *ours.img_size)
-    probe = torch.randn(batch, 1000)  # random projection: every logit gets a gradient
-    out_ours, out_ref = ours(x), ref(x)
-    assert rel_err(out_ours, out_ref) < 1e-5
-    (out_ours * probe).sum().backward()
-    (out_ref * probe).sum().backward()
-    ref_params = dict(ref.named_parameters())
-    for pname, p in ours.named_parameters():
-        assert p.grad is not None and p.grad.abs().max() > 0, pname
-        assert rel_err(p.grad, ref_params[pname].grad) < 1e-4, pname
+    assert_same_logits_and_grads(ours, ref, torch.randn(batch, 3, *ours.img_size), nonzero_grads=True)
 
 
 def test_registry_matches_timm(monkeypatch):
@@ -145,15 +136,7 @@ def test_flash_matches_standard():
     flash = swin.create_model("swinv2_micro", attention="flash_window", img_size=(22, 26)).to(DEVICE)
     flash.load_state_dict(model.state_dict())
     assert has_padded_shifted_block(flash)
-    x = torch.randn(2, 3, 22, 26, device=DEVICE)
-    a, b = model(x), flash(x)
-    assert rel_err(b, a) < 1e-5
-    probe = torch.randn_like(a)
-    (a * probe).sum().backward()
-    (b * probe).sum().backward()
-    for (name, p), q in zip(model.named_parameters(), flash.parameters()):
-        assert p.grad.abs().max() > 0, name
-        assert rel_err(q.grad, p.grad) < 1e-4, name
+    assert_same_logits_and_grads(flash, model, torch.randn(2, 3, 22, 26, device=DEVICE), nonzero_grads=True)
 
 
 # small timm V2 for checkpoint files: 64x64, patch 4 -> 16x16, 8x8, 4x4 tokens
