@@ -124,10 +124,24 @@ class CheckedImageFolder(Dataset):
         except Exception as e:
             if self.skip_corrupt:
                 return None
-            raise CorruptImageError(
-                f"cannot read image {path} ({type(e).__name__}: {e}); fix or delete the file, "
-                "or set data.skip_corrupt=true to skip unreadable images") from None
+            raise unreadable_image(path, e) from None
         return self.sample(image, target, path)
+
+
+def unreadable_image(path: str, error: Exception) -> CorruptImageError:
+    """The error for a file nothing can decode, naming it and the two fixes."""
+    return CorruptImageError(f"cannot read image {path} ({type(error).__name__}: {error}); fix or delete the file, "
+                             "or set data.skip_corrupt=true to skip unreadable images")
+
+
+def readable(samples: Sequence[Any]) -> list[Any]:
+    """The samples of a batch that are not None (unreadable files dropped with data.skip_corrupt); an error when
+    none is left, as an empty batch would desynchronise the processes of a DDP step."""
+    kept = [s for s in samples if s is not None]
+    if not kept:
+        raise CorruptImageError(f"all {len(samples)} images of a batch were unreadable (data.skip_corrupt drops "
+                                "only some images of a batch); check the image files under data.root")
+    return kept
 
 
 DECODE_MODES = ("cpu", "gpu")
@@ -303,11 +317,7 @@ class ShardSampler(Sampler):
 
 def collate_dropping_corrupt(batch: list) -> tuple[torch.Tensor, torch.Tensor, int]:
     """default_collate of the readable samples, plus how many unreadable ones (None) were dropped."""
-    kept = [b for b in batch if b is not None]
-    if not kept:
-        # an empty batch would desynchronise the processes of a DDP step
-        raise CorruptImageError(f"all {len(batch)} images of a batch were unreadable (data.skip_corrupt drops "
-                                "only some images of a batch); check the image files under data.root")
+    kept = readable(batch)
     x, y = default_collate(kept)
     return x, y, len(batch) - len(kept)
 

@@ -370,8 +370,8 @@ def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
              f"classes; global batch {t.batch_size} = {world} x {t.accum_steps} x {micro_batch}, "
              f"{steps_per_epoch} steps/epoch")
     if decode_mode(cfg.data) == "gpu":
-        log.info(f"data.decode=gpu: loader workers read the files; JPEG decoding (nvJPEG on CUDA) and augmentation "
-                 f"run on {device} in two threads of this process")
+        log.info(f"data.decode=gpu: {cfg.data.num_workers} loader worker(s) decode the JPEG files (nvJPEG) and "
+                 f"augment them on {device}")
 
     num_classes = cfg.model.num_classes or data.num_classes
     if num_classes < data.num_classes:

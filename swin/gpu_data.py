@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from .data import CheckedImageFolder, CorruptImageError
+from .data import CheckedImageFolder, readable, unreadable_image
 from .gpu_augment import EvalTransform, TrainTransform, indexed
 
 # torchvision 0.29 deprecates its image codecs in favour of TorchCodec (they still work, and 0.26 on the GPU
@@ -140,10 +140,7 @@ class EncodedBatch:
 
 
 def collate_encoded(samples: Sequence[tuple[bytes | torch.Tensor, int, str, int] | None]) -> EncodedBatch:
-    kept = [s for s in samples if s is not None]
-    if not kept:  # an empty batch would desynchronise the processes of a DDP step
-        raise CorruptImageError(f"all {len(samples)} images of a batch were unreadable (data.skip_corrupt drops "
-                                "only some images of a batch); check the image files under data.root")
+    kept = readable(samples)
     blobs = [s[0] if isinstance(s[0], bytes) else b"" for s in kept]
     joined = bytearray().join(blobs)  # one host buffer: nvJPEG reads the files from host memory
     data = torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
@@ -153,7 +150,7 @@ def collate_encoded(samples: Sequence[tuple[bytes | torch.Tensor, int, str, int]
                         indices=[s[3] for s in kept], skipped=len(samples) - len(kept))
 
 
-# --- decoding in the training process ----------------------------------------------------------------------------
+# --- decoding and augmenting (in a worker process) -----------------------------------------------------------
 class JpegDecoder:
     """Decodes an :class:`EncodedBatch` on ``device``: one batched ``decode_jpeg`` call; if it fails, each image
     alone, and the CPU for those nvJPEG still rejects."""
@@ -176,8 +173,7 @@ class JpegDecoder:
         except Exception as e:
             if self.skip_corrupt:
                 return None
-            raise CorruptImageError(f"cannot read image {path} ({type(e).__name__}: {e}); fix or delete the file, "
-                                    "or set data.skip_corrupt=true to skip unreadable images") from None
+            raise unreadable_image(path, e) from None
         on_cpu.append(path)
         return img.to(self.device, non_blocking=True)
 
@@ -198,12 +194,10 @@ class JpegDecoder:
                 images[k] = img
         for k, img in batch.decoded.items():
             images[k] = img.to(self.device, non_blocking=True)
+        kept = readable(images)
         keep = [k for k, img in enumerate(images) if img is not None]
-        if not keep:
-            raise CorruptImageError(f"all {len(images)} images of a batch were unreadable; check the image files "
-                                    "under data.root")
         targets = batch.targets if len(keep) == len(images) else batch.targets[keep]
-        return [images[k] for k in keep], targets, batch.skipped + len(images) - len(keep), on_cpu
+        return kept, targets, batch.skipped + len(images) - len(keep), on_cpu
 
 
 class DeviceCollate:
