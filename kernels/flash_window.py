@@ -10,10 +10,11 @@ instead (see ``_kernel_op``), so compiled models still compute the right numbers
 * ``flash_window_attention(q, k, v, bias, mask, grid_size, scale)``: window layout, q/k/v of shape
   (B * num_windows, heads, L, head_dim), windows of each image in row-major order over a grid_size
   window grid (what timm's window_partition produces);
-* ``flash_window_attention_image(qkv, bias, mask, qkv_bias, window_size, shift_size, scale)``: image
-  layout, reads q/k/v straight from the qkv projection output (B, H, W, 3, heads, head_dim) and writes
+* ``flash_window_attention_image(qkv, bias, mask, qkv_bias, window_size, shift_size, scale, cosine_scale)``:
+  image layout, reads q/k/v straight from the qkv projection output (B, H, W, 3, heads, head_dim) and writes
   (B, H, W, heads, head_dim); cyclic shift, padding and window partition/reverse are index arithmetic
-  in the kernel. Its backward writes one (B, H, W, 3, heads, head_dim) gradient.
+  in the kernel. Its backward writes one (B, H, W, 3, heads, head_dim) gradient. With ``cosine_scale``
+  (Swin V2) the kernels normalise q and k themselves, so the raw projection goes in and its gradient comes out.
 
 Both take plain tensors and sizes (the window geometry, the relative position index and the mask are
 the model's business, in ``swin/``): ``bias`` is the dense (heads, L, L) additive bias (the relative
@@ -122,7 +123,8 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
                 HEAD_MINOR=_tuning("BWD_HEAD_MINOR" if backward else "HEAD_MINOR", 1))
 
 
-def kernel_constants(cfg: dict, window: tuple[int, int], masked: bool, has_fill: bool, dtype: torch.dtype) -> dict:
+def kernel_constants(cfg: dict, window: tuple[int, int], masked: bool, has_fill: bool, dtype: torch.dtype,
+                     cosine: bool = False) -> dict:
     """The kernels' constexpr arguments for a launch config (also used by scripts/kernel_resources.py)."""
     tiling = {k: v for k, v in cfg.items() if k not in ("sets", "num_warps")}
     # fp32: three tf32 products per product (about fp32 accuracy on tensor cores) for tiles of up to 64 x 64;
@@ -130,7 +132,7 @@ def kernel_constants(cfg: dict, window: tuple[int, int], masked: bool, has_fill:
     # take exact fp32 FMAs (scripts/kernel_resources.py)
     small = cfg["BLOCK_N"] * cfg["BLOCK_D"] <= 4096
     fp32 = os.environ.get("SWIN_FW_FP32_PRECISION", "tf32x3" if small else "ieee")
-    return dict(WH=window[0], WW=window[1], MASKED=masked, HAS_FILL=has_fill,
+    return dict(WH=window[0], WW=window[1], MASKED=masked, HAS_FILL=has_fill, COSINE=cosine,
                 PRECISION=fp32 if dtype == torch.float32 else "tf32", **tiling)
 
 
@@ -172,11 +174,11 @@ class _Geometry:
 
 
 def _launch_plan(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry, mask: torch.Tensor | None,
-                 fill: torch.Tensor | None, backward: bool) -> tuple[dict, dict]:
+                 fill: torch.Tensor | None, q_scale: torch.Tensor | None, backward: bool) -> tuple[dict, dict]:
     """(launch config, the kernels' constexpr and launch keywords) for one call on data like x."""
     cfg = _launch_config(geo.total_windows, heads, geo.area, head_dim, x.device, backward=backward,
                          itemsize=x.element_size())
-    keywords = kernel_constants(cfg, geo.window, mask is not None, fill is not None, x.dtype)
+    keywords = kernel_constants(cfg, geo.window, mask is not None, fill is not None, x.dtype, q_scale is not None)
     return cfg, {**keywords, "num_warps": cfg["num_warps"]}
 
 
@@ -229,37 +231,45 @@ def _report(kernel, cfg: dict) -> None:
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: Strides, out: torch.Tensor,
              so: Strides, heads: int, head_dim: int, bias: torch.Tensor, mask: torch.Tensor | None,
-             fill: torch.Tensor | None, geo: _Geometry, scale: float) -> None:
+             fill: torch.Tensor | None, geo: _Geometry, scale: float, q_scale: torch.Tensor | None = None) -> None:
     """Writes out. q, k, v: the same tensor s_t elements apart (qkv) or separate tensors (s_t = 0).
+    q_scale: None, or (heads,) fp32 for scaled cosine attention (q and k normalised, q times q_scale).
 
     Every tensor reaches the kernel whole, never as a view: torch.compile then passes the buffers through
     untouched, where a written view (or, through wrap_triton's analysis, a read one) costs a copy."""
-    cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask, fill, backward=False)
+    cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask, fill, q_scale, backward=False)
     tiles = _bias_tiles(bias, mask, cfg)
     kernel = _launch(window_attn_fwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, out, *so,
-                     tiles, fill if fill is not None else tiles, *geo.ints(), head_dim, heads, scale, **keywords)
+                     tiles, fill if fill is not None else tiles, q_scale if q_scale is not None else tiles,
+                     *geo.ints(), head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
 
 
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: Strides, do: torch.Tensor,
               sdo: Strides, dqkv: torch.Tensor, sd_t: int, sdq: Strides, heads: int, head_dim: int,
               bias: torch.Tensor, mask: torch.Tensor | None, fill: torch.Tensor | None, geo: _Geometry,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Writes dq, dk, dv into dqkv (sd_t elements apart); returns (bias gradient, fill gradient or None)."""
-    cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask, fill, backward=True)
+              scale: float, q_scale: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Writes dq, dk, dv into dqkv (sd_t elements apart) (of the raw q and k with q_scale); returns (bias
+    gradient, fill gradient or None, q_scale gradient or None)."""
+    cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask, fill, q_scale, backward=True)
     tiles = _bias_tiles(bias, mask, cfg)
     # one tile per program; the single-block kernel writes its tile whole at the end, the multi-block one adds
     # into it window after window
     alloc = torch.empty if cfg["NUM_M"] == 1 else torch.zeros
     partial = alloc((cfg["sets"], *tiles.shape[1:]), dtype=torch.float32, device=q.device)
     dfill = torch.zeros(2, heads, head_dim, dtype=torch.float32, device=q.device) if fill is not None else None
+    # one value per program, written by the program: summed here like the bias tiles
+    dq_scale = torch.empty(cfg["sets"], heads, dtype=torch.float32, device=q.device) if q_scale is not None else None
     kernel = _launch(window_attn_bwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, do, *sdo, dqkv, sd_t, *sdq,
                      tiles, fill if fill is not None else tiles, partial, dfill if dfill is not None else partial,
+                     q_scale if q_scale is not None else tiles, dq_scale if dq_scale is not None else partial,
                      *geo.ints(), head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
     # a fixed-order reduction over the programs' tiles (deterministic), cut to (heads, L, L)
     dbias = partial.sum(0)[:, :geo.area, :geo.area].to(bias.dtype)
-    return dbias, (dfill.to(fill.dtype) if dfill is not None else None)
+    return (dbias, dfill.to(fill.dtype) if dfill is not None else None,
+            dq_scale.sum(0).to(q_scale.dtype) if dq_scale is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +298,7 @@ def _window_op_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
     dqkv = q.new_empty((3, *q.shape))
     bw, heads, area, head_dim = q.shape
-    dbias, _ = _backward(q, k, v, 0, _window_strides(q), grad_out, _window_strides(grad_out), dqkv, dqkv.stride(0),
+    dbias, _, _ = _backward(q, k, v, 0, _window_strides(q), grad_out, _window_strides(grad_out), dqkv, dqkv.stride(0),
                          _window_strides(dqkv), heads, head_dim, bias, mask, None,
                          _window_geometry(bw, area, grid), scale)
     return dqkv, dbias
@@ -341,7 +351,7 @@ def _image_geometry(qkv: torch.Tensor, window: list[int], shift: list[int]) -> _
 
 @_kernel_op("swin::flash_window_attn_image")
 def _image_op(qkv: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None, kv_fill: torch.Tensor | None,
-              window: list[int], shift: list[int], scale: float) -> torch.Tensor:
+              q_scale: torch.Tensor | None, window: list[int], shift: list[int], scale: float) -> torch.Tensor:
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     fill = kv_fill.contiguous() if kv_fill is not None else None
@@ -349,14 +359,14 @@ def _image_op(qkv: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None, 
     out = qkv.new_empty((b, h, w, heads, hd))
     # q, k, v are read from the one qkv tensor, qkv.stride(3) elements apart
     _forward(qkv, qkv, qkv, qkv.stride(3), _image_strides(qkv), out, _image_strides(out), heads, hd,
-             bias, mask, fill, _image_geometry(qkv, window, shift), scale)
+             bias, mask, fill, _image_geometry(qkv, window, shift), scale, q_scale)
     return out
 
 
 @_kernel_op("swin::flash_window_attn_image_bwd")
 def _image_op_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None,
-                  kv_fill: torch.Tensor | None, window: list[int], shift: list[int], scale: float
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  kv_fill: torch.Tensor | None, q_scale: torch.Tensor | None, window: list[int], shift: list[int],
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     if grad_out.stride(-1) != 1:
@@ -364,24 +374,24 @@ def _image_op_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor,
     dqkv = qkv.new_empty(qkv.shape)
     fill = kv_fill.contiguous() if kv_fill is not None else None
     heads, hd = qkv.shape[-2:]
-    dbias, dfill = _backward(qkv, qkv, qkv, qkv.stride(3), _image_strides(qkv), grad_out, _image_strides(grad_out),
-                             dqkv, dqkv.stride(3), _image_strides(dqkv), heads, hd, bias, mask, fill,
-                             _image_geometry(qkv, window, shift), scale)
-    if dfill is None:  # ops return tensors only; an empty one stands for "no fill"
-        dfill = qkv.new_empty(0)
-    return dqkv, dbias, dfill
+    dbias, dfill, dq_scale = _backward(qkv, qkv, qkv, qkv.stride(3), _image_strides(qkv), grad_out,
+                                       _image_strides(grad_out), dqkv, dqkv.stride(3), _image_strides(dqkv), heads,
+                                       hd, bias, mask, fill, _image_geometry(qkv, window, shift), scale, q_scale)
+    # ops return tensors only; an empty one stands for "no fill" / "no q_scale"
+    return dqkv, dbias, qkv.new_empty(0) if dfill is None else dfill, qkv.new_empty(0) if dq_scale is None else dq_scale
 
 
 def _image_setup(ctx, inputs, output):
-    qkv, bias, mask, kv_fill, window, shift, scale = inputs
-    ctx.save_for_backward(qkv, bias, mask, kv_fill)
+    qkv, bias, mask, kv_fill, q_scale, window, shift, scale = inputs
+    ctx.save_for_backward(qkv, bias, mask, kv_fill, q_scale)
     ctx.geometry = (window, shift, scale)
 
 
 def _image_grad(ctx, grad_out):
-    qkv, bias, mask, kv_fill = ctx.saved_tensors
-    dqkv, dbias, dfill = _image_op_bwd(grad_out, qkv, bias, mask, kv_fill, *ctx.geometry)
-    return dqkv, dbias, None, (dfill if kv_fill is not None else None), None, None, None
+    qkv, bias, mask, kv_fill, q_scale = ctx.saved_tensors
+    dqkv, dbias, dfill, dq_scale = _image_op_bwd(grad_out, qkv, bias, mask, kv_fill, q_scale, *ctx.geometry)
+    return (dqkv, dbias, None, dfill if kv_fill is not None else None, dq_scale if q_scale is not None else None,
+            None, None, None)
 
 
 _image_op.register_autograd(_image_grad, setup_context=_image_setup)
@@ -389,14 +399,17 @@ _image_op.register_autograd(_image_grad, setup_context=_image_setup)
 
 def flash_window_attention_image(qkv: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None,
                                  qkv_bias: torch.Tensor | None, window_size: tuple[int, int],
-                                 shift_size: tuple[int, int], scale: float) -> torch.Tensor:
+                                 shift_size: tuple[int, int], scale: float,
+                                 cosine_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Window attention of a Swin block straight from its qkv projection, in image layout.
 
     qkv: (B, H, W, 3, heads, head_dim), the unshifted, unpadded feature map's projection. bias: (heads, L, L).
     mask: None (unshifted) or the (4, L, L) masks of interior, last-column, last-row and last windows of the
     block's padded window grid. qkv_bias: (3, heads, head_dim) or None, the value of q/k/v at padded positions
     (timm pads before the projection). The window grid is the padded (ceil) one; a cyclic shift of
-    shift_size is undone in the addressing. Returns (B, H, W, heads, head_dim).
+    shift_size is undone in the addressing. cosine_scale: None, or (heads,) for Swin V2's scaled cosine attention:
+    q and k (raw, as is qkv_bias) are normalised to unit length in the kernel and q multiplied by cosine_scale
+    (differentiable), usually with scale 1. Returns (B, H, W, heads, head_dim).
     """
     b, h, w, three, heads, head_dim = qkv.shape
     _check(qkv, window_size[0] * window_size[1], head_dim, heads, bias, mask)
@@ -404,4 +417,9 @@ def flash_window_attention_image(qkv: torch.Tensor, bias: torch.Tensor, mask: to
         raise ValueError(f"qkv must be (B, H, W, 3, heads, head_dim), got {tuple(qkv.shape)}")
     padded = h % window_size[0] != 0 or w % window_size[1] != 0
     fill = qkv_bias[1:].to(qkv.dtype) if (qkv_bias is not None and padded) else None
-    return _image_op(qkv, bias, mask, fill, list(window_size), [int(s) for s in shift_size], float(scale))
+    if cosine_scale is not None:
+        if cosine_scale.numel() != heads:
+            raise ValueError(f"cosine_scale must hold one value per head ({heads}), got {tuple(cosine_scale.shape)}")
+        cosine_scale = cosine_scale.reshape(heads).float()
+    return _image_op(qkv, bias, mask, fill, cosine_scale, list(window_size), [int(s) for s in shift_size],
+                     float(scale))

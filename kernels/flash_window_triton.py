@@ -14,6 +14,11 @@ so four (L, L) masks cover it. bias_tiles_kernel adds them into one padded fp32 
 attention kernels pick the class from the window's grid position and load its tile (L2-resident): no
 per-element region arithmetic, and a shifted block costs about what an unshifted one does.
 
+Swin V2's scaled cosine attention (COSINE): q and k are normalised to unit length on chip and q multiplied by
+the head's scale exp(clamped logit scale), read from a (heads,) fp32 vector; the kernels then run with scale 1.
+The backward turns the gradients of the normalised q and k into those of the raw ones on chip and sums the scale's
+gradient per program (a (programs,) buffer the caller sums), so the normalisation moves no bytes of its own.
+
 Programs take one head and a strided set of windows each (one window each in the forward by default).
 The backward sums the bias gradient of its windows on chip and writes it once per program (a small
 (programs, rows, BLOCK_N) buffer, summed by the caller): no atomics per window and element.
@@ -144,6 +149,22 @@ def _query_rows(g, mb, offs_n, sy_n, sx_n, real_n, L, H, W, WH: tl.constexpr, WW
 
 
 @triton.jit
+def _unit_rows(x):
+    """(x in fp32, 1 / max(|row|, 1e-12)): the rows of F.normalize(x, dim=-1) are x * inv[:, None]."""
+    xf = x.to(tl.float32)
+    return xf, 1.0 / tl.maximum(tl.sqrt(tl.sum(xf * xf, 1)), 1e-12)
+
+
+@triton.jit
+def _unnormalise_grad(dx, xf, inv, scale):
+    """Gradient of the raw rows xf from dx, that of scale * xf * inv (F.normalize's rows times scale), and the
+    per-row dot products dx . (xf * inv), whose sum is the gradient of scale."""
+    unit = xf * inv[:, None]
+    dots = tl.sum(unit * dx, 1)
+    return (dx - unit * dots[:, None]) * (scale * inv)[:, None], dots
+
+
+@triton.jit
 def _softmax(q, k, bias, scale, PRECISION: tl.constexpr):
     """P = softmax(scale q k^T + bias) in fp32, rows normalised."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias
@@ -155,15 +176,17 @@ def _softmax(q, k, bias, scale, PRECISION: tl.constexpr):
 def window_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, s_t, sq_b, sq_y, sq_x, sq_h,
     o_ptr, so_b, so_y, so_x, so_h,
-    tiles_ptr, fill_ptr,
+    tiles_ptr, fill_ptr, qs_ptr,
     G, L, H, W, AGH, AGW, ASH, ASW, MGH, MGW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
     MASKED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-    HEAD_MINOR: tl.constexpr,
+    HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
 ):
     h, first, nsets = _program(NH, HEAD_MINOR)
     scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
+    if COSINE:
+        q_scale = tl.load(qs_ptr + h)
     k_ptr += s_t  # q, k, v of one tensor: s_t apart (separate tensors: s_t = 0)
     v_ptr += 2 * s_t
     fill_ptr += h * HD
@@ -177,11 +200,17 @@ def window_attn_fwd_kernel(
         o_img = o_ptr + b * so_b
         k, v = _key_value(k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h, b, sy_n, sx_n, inwin_n, real_n, h, offs_d, HD,
                           fill_ptr, NH, HAS_FILL)
+        if COSINE:
+            kf, inv_k = _unit_rows(k)
+            k = (kf * inv_k[:, None]).to(v.dtype)
         for mb in range(NUM_M):
             offs_m, sy, sx, real_m = _query_rows(g, mb, offs_n, sy_n, sx_n, real_n, L, H, W, WH, WW, AGH, AGW, ASH,
                                                  ASW, BLOCK_M, NUM_M)
             io_m = _io_mask(real_m, offs_d, HD)
             q = tl.load(q_img + _offsets(sy, sx, sq_y, sq_x, h, sq_h, offs_d), mask=io_m, other=0.0)
+            if COSINE:
+                qf, inv_q = _unit_rows(q)
+                q = (qf * (q_scale * inv_q)[:, None]).to(v.dtype)
             bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, BLOCK_N)
             p = _softmax(q, k, bias, scale, PRECISION)
             o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -193,15 +222,18 @@ def window_attn_bwd_kernel(
     q_ptr, k_ptr, v_ptr, s_t, sq_b, sq_y, sq_x, sq_h,
     do_ptr, sdo_b, sdo_y, sdo_x, sdo_h,
     dqkv_ptr, sd_t, sdq_b, sdq_y, sdq_x, sdq_h,
-    tiles_ptr, fill_ptr, dbias_ptr, dfill_ptr,
+    tiles_ptr, fill_ptr, dbias_ptr, dfill_ptr, qs_ptr, dqs_ptr,
     G, L, H, W, AGH, AGW, ASH, ASW, MGH, MGW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
     MASKED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-    HEAD_MINOR: tl.constexpr,
+    HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
 ):
     h, first, nsets = _program(NH, HEAD_MINOR)
     scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
+    if COSINE:
+        q_scale = tl.load(qs_ptr + h)
+        dq_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)  # row sums of the scale's gradient
     k_ptr += s_t  # q, k, v of one tensor: s_t apart (separate tensors: s_t = 0)
     v_ptr += 2 * s_t
     fill_ptr += h * HD
@@ -227,6 +259,10 @@ def window_attn_bwd_kernel(
         dq_img = dq_ptr + b * sdq_b
         k, v = _key_value(k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h, b, sy_n, sx_n, inwin_n, real_n, h, offs_d, HD,
                           fill_ptr, NH, HAS_FILL)
+        if COSINE:
+            k_raw = k
+            kf, inv_k = _unit_rows(k)
+            k = (kf * inv_k[:, None]).to(v.dtype)
         dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         for mb in range(NUM_M):
@@ -234,6 +270,9 @@ def window_attn_bwd_kernel(
                                                  ASW, BLOCK_M, NUM_M)
             io_m = _io_mask(real_m, offs_d, HD)
             q = tl.load(q_img + _offsets(sy, sx, sq_y, sq_x, h, sq_h, offs_d), mask=io_m, other=0.0)
+            if COSINE:
+                qf, inv_q = _unit_rows(q)
+                q = (qf * (q_scale * inv_q)[:, None]).to(v.dtype)
             do = tl.load(do_img + _offsets(sy, sx, sdo_y, sdo_x, h, sdo_h, offs_d), mask=io_m, other=0.0)
             bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, BLOCK_N)
             p = _softmax(q, k, bias, scale, PRECISION)
@@ -241,6 +280,9 @@ def window_attn_bwd_kernel(
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - tl.sum(p * dp, 1)[:, None])  # gradient of the scores (= of the bias tile)
             dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
+            if COSINE:
+                dq, dots = _unnormalise_grad(dq, qf, inv_q, q_scale)
+                dq_scale += dots
             tl.store(dq_img + _offsets(sy, sx, sdq_y, sdq_x, h, sdq_h, offs_d), dq.to(dq_ptr.dtype.element_ty),
                      mask=io_m)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
@@ -250,6 +292,8 @@ def window_attn_bwd_kernel(
                 ptrs = dbias_base + offs_m[:, None] * BLOCK_N + offs_n[None, :]
                 tl.store(ptrs, tl.load(ptrs) + ds)
         dk = dk * scale
+        if COSINE:
+            dk, _dots = _unnormalise_grad(dk, k_raw.to(tl.float32), inv_k, 1.0)
         d_offs = _offsets(sy_n, sx_n, sdq_y, sdq_x, h, sdq_h, offs_d)
         kv_mask = _io_mask(real_n, offs_d, HD)
         tl.store(dk_ptr + b * sdq_b + d_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
@@ -260,6 +304,8 @@ def window_attn_bwd_kernel(
             dfill_v += tl.sum(tl.where(pad, dv, 0.0), 0)
     if NUM_M == 1:
         tl.store(dbias_base + offs_n[:, None] * BLOCK_N + offs_n[None, :], dbias_acc)
+    if COSINE:
+        tl.store(dqs_ptr + first * NH + h, tl.sum(dq_scale, 0))
     if HAS_FILL:
         dmask = offs_d < HD
         tl.atomic_add(dfill_ptr + h * HD + offs_d, dfill_k, mask=dmask)

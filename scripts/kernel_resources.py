@@ -34,7 +34,7 @@ from kernels.flash_window_triton import window_attn_bwd_kernel, window_attn_fwd_
 
 HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
 DTYPES = {"bf16": ("*bf16", 2), "fp16": ("*fp16", 2), "fp32": ("*fp32", 4)}
-FP32_POINTERS = {"bias_ptr", "mask_ptr", "dbias_ptr", "dfill_ptr"}
+FP32_POINTERS = {"bias_ptr", "mask_ptr", "dbias_ptr", "dfill_ptr", "qs_ptr", "dqs_ptr"}
 
 
 def _signature(fn, constants: dict, data_ptr: str) -> dict[str, str]:
@@ -67,15 +67,17 @@ def _ptxas_resources(ptx: str, arch: str) -> dict:
     return dict(registers=int(regs.group(1)) if regs else None, spill_bytes=int(spill.group(1)) if spill else None)
 
 
-def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool, capability: int = 90) -> list[dict]:
+def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool, capability: int = 90,
+              cosine: bool = False) -> list[dict]:
     """Both attention kernels compiled for the device's launch configuration: tiling, registers, spills and
-    shared memory (and whether it fits a block's limit on Hopper)."""
+    shared memory (and whether it fits a block's limit on Hopper). cosine: Swin V2's variant."""
     data_ptr, itemsize = DTYPES[dtype]
     rows = []
     for fn, backward in ((window_attn_fwd_kernel, False), (window_attn_bwd_kernel, True)):
         cfg = _launch_config(1024, 4, window[0] * window[1], head_dim, torch.device("cpu"), backward=backward,
                              itemsize=itemsize)
-        constants = kernel_constants(cfg, window, shifted, False, torch.float32 if dtype == "fp32" else torch.bfloat16)
+        constants = kernel_constants(cfg, window, shifted, False, torch.float32 if dtype == "fp32" else torch.bfloat16,
+                                     cosine)
         signature = _signature(fn, constants, data_ptr)
         # as on the device for Swin shapes: pointers and strides are multiples of 16, head_dim where it is
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -86,7 +88,8 @@ def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool,
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                                   options=dict(num_warps=cfg["num_warps"]))
         shared = compiled.metadata.shared
-        rows.append(dict(window=list(window), head_dim=head_dim, dtype=dtype, kernel="bwd" if backward else "fwd",
+        rows.append(dict(window=list(window), head_dim=head_dim, dtype=dtype,
+                         kernel=("bwd" if backward else "fwd") + (" cosine" if cosine else ""),
                          BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], warps=cfg["num_warps"],
                          stages=cfg["STAGES"], precision=constants["PRECISION"], shared=shared,
                          fits=shared <= HOPPER_SHARED_LIMIT,
@@ -108,12 +111,14 @@ def main() -> None:
     parser.add_argument("--dtype", choices=list(DTYPES), nargs="+", default=["bf16", "fp32"])
     parser.add_argument("--unshifted", action="store_true", help="compile without the shifted-window mask")
     parser.add_argument("--capability", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
+    parser.add_argument("--cosine", action="store_true", help="also Swin V2's variant (q/k normalised on chip)")
     args = parser.parse_args()
     for side in args.window or [7, 8, 12, 16]:
         for head_dim in args.head_dim:
             for dtype in args.dtype:
-                for row in resources((side, side), head_dim, dtype, not args.unshifted, args.capability):
-                    print(describe(row), flush=True)
+                for cosine in (False, True) if args.cosine else (False,):
+                    for row in resources((side, side), head_dim, dtype, not args.unshifted, args.capability, cosine):
+                        print(describe(row), flush=True)
 
 
 if __name__ == "__main__":

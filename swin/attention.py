@@ -12,8 +12,9 @@ Every backend is a function with the same signature::
 
 Taking image layout lets a backend fold shift, padding and partition into its own addressing
 (``flash_window``) while the reference backends do them with explicit tensor ops. Swin V2's scaled cosine
-attention reaches the backends in this same form: q and k normalised, q times the logit scale, scale 1, the
-continuous position bias as the table (``swin.model.CosineWindowAttention``).
+attention reaches the backends as the raw projection with ``args.cosine_scale`` set (exp of the clamped logit
+scale per head), scale 1 and the continuous position bias as the table (``swin.model.CosineWindowAttention``):
+each backend normalises q and k and multiplies q by the scale, the flash kernel on chip.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class WindowAttentionArgs(NamedTuple):
     rel_index: torch.Tensor               # (L, L) long, index into bias_table
     attn_mask: torch.Tensor | None        # (num_windows, L, L) 0 / -100, None when unshifted
     qkv_bias: torch.Tensor | None         # (3, heads, head_dim): q, k, v at padded positions
+    cosine_scale: torch.Tensor | None = None  # (heads,): scaled cosine attention (Swin V2), else None
 
 
 Backend = Callable[[torch.Tensor, WindowAttentionArgs], torch.Tensor]
@@ -48,7 +50,17 @@ def relative_position_bias(args: WindowAttentionArgs) -> torch.Tensor:
 def _windows_qkv(qkv: torch.Tensor, args: WindowAttentionArgs) -> tuple[torch.Tensor, ...]:
     """Shift, pad and partition qkv; returns q, k, v of shape (B * num_windows, heads, L, head_dim)."""
     windows = shift_pad_partition(qkv, args.spec, args.qkv_bias)  # (BW, L, 3, heads, hd)
-    return windows.permute(2, 0, 3, 1, 4).unbind(0)
+    q, k, v = windows.permute(2, 0, 3, 1, 4).unbind(0)
+    if args.cosine_scale is not None:
+        q, k = cosine_qk(q, k, args.cosine_scale.view(-1, 1, 1))
+    return q, k, v
+
+
+def cosine_qk(q: torch.Tensor, k: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Swin V2's scaled cosine attention as plain dot-product attention of scale 1: q and k at unit length, q times
+    scale (broadcast over q). Returned in the inputs' dtype: under autocast the normalisation runs in fp32, and a
+    fp32 result would make the attention itself fp32."""
+    return (F.normalize(q, dim=-1) * scale).to(q.dtype), F.normalize(k, dim=-1).to(k.dtype)
 
 
 def _windows_to_image(out: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor:
@@ -99,7 +111,7 @@ def flash_window_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torc
     spec = args.spec
     mask = mask_classes(args.attn_mask, spec)
     return flash_window_attention_image(qkv, relative_position_bias(args), mask, args.qkv_bias, spec.window_size,
-                                        spec.shift_size, args.scale)
+                                        spec.shift_size, args.scale, args.cosine_scale)
 
 
 _auto_warned: set[str] = set()

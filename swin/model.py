@@ -87,21 +87,6 @@ class WindowAttention(WindowAttentionBase):
                                         self.relative_position_index, attn_mask, qkv_bias)
 
 
-def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
-    """(..., 3, heads, head_dim) -> the same with q and k at unit length and q times exp(clamped logit_scale).
-
-    Scaled cosine attention is then plain dot-product attention with scale 1, so every backend (the flash kernel
-    included) computes it unchanged, and autograd takes the gradient to q, k and logit_scale through these
-    elementwise ops (fused by inductor under torch.compile). Returned in qkv's dtype: under autocast the
-    normalisation runs in fp32, and a fp32 result would make the attention itself fp32.
-    """
-    q, k, v = qkv.unbind(-3)
-    scale = logit_scale.clamp(max=MAX_LOGIT_SCALE).exp().view(-1, 1)  # (heads, 1)
-    q = F.normalize(q, dim=-1) * scale
-    k = F.normalize(k, dim=-1)
-    return torch.stack((q.to(v.dtype), k.to(v.dtype), v), dim=-3)
-
-
 class CosineWindowAttention(WindowAttentionBase):
     """Swin V2: scaled cosine attention (a learnt logit scale per head, clamped at 100) with a continuous
     relative position bias, 16 sigmoid(cpb_mlp(log-spaced offsets)), instead of a table of free parameters.
@@ -143,10 +128,12 @@ class CosineWindowAttention(WindowAttentionBase):
         b, h, w, c = x.shape
         bias = None if self.q_bias is None else torch.cat((self.q_bias, self.k_bias, self.v_bias))
         qkv = F.linear(x, self.qkv.weight, bias).view(b, h, w, 3, self.num_heads, self.head_dim)
-        qkv = cosine_qkv(qkv, self.logit_scale)
-        # padded positions (timm pads the block input with zeros) hold the projection's bias, normalised the same way
-        fill = None if bias is None else cosine_qkv(bias.view(3, self.num_heads, self.head_dim), self.logit_scale)
-        return qkv, WindowAttentionArgs(spec, 1.0, self.bias_table(), self.relative_position_index, attn_mask, fill)
+        # padded positions (timm pads the block input with zeros) hold the projection's bias, normalised by the
+        # backend like every other token
+        fill = None if bias is None else bias.view(3, self.num_heads, self.head_dim)
+        cosine_scale = self.logit_scale.clamp(max=MAX_LOGIT_SCALE).exp().view(-1)
+        return qkv, WindowAttentionArgs(spec, 1.0, self.bias_table(), self.relative_position_index, attn_mask, fill,
+                                        cosine_scale)
 
 
 class SwinTransformerBlock(nn.Module):
@@ -434,4 +421,4 @@ def _init_weights(module: nn.Module) -> None:
 
 
 __all__ = ["CosineWindowAttention", "SwinTransformer", "SwinTransformerBlock", "WindowAttention",
-           "WindowAttentionBase", "cosine_qkv"]
+           "WindowAttentionBase"]

@@ -168,6 +168,39 @@ def test_image_op_matches_partitioned_reference(feat, window, shifted, dtype):
         assert rel_err(bias_grad, ref_bias_grad) < 2 * tol
 
 
+@pytest.mark.parametrize("feat,window,shifted,dtype", [
+    ((10, 13), (4, 5), False, torch.float32),  # padded: padded keys hold the raw k bias, normalised like the rest
+    ((14, 18), (7, 9), True, torch.float32),   # 63-token windows: several query blocks per window
+    ((8, 8), (4, 4), True, torch.float16),
+])
+def test_image_op_cosine_matches_reference(feat, window, shifted, dtype):
+    """Swin V2's scaled cosine attention normalised in the kernel: output and the gradients of the raw qkv, the
+    bias table, the qkv bias (padded tokens) and the per-head scale as float64 math that normalises explicitly."""
+    heads, head_dim, batch = 3, 16, 2
+    shift = (window[0] // 2, window[1] // 2) if shifted else (0, 0)
+    spec = WindowSpec(feat, window, shift)
+    qkv = torch.randn(batch, *feat, 3, heads, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    qkv_bias = (0.5 * torch.randn(3, heads, head_dim, device=DEVICE)).requires_grad_()
+    table = (2 * torch.randn((2 * window[0] - 1) * (2 * window[1] - 1), heads, device=DEVICE)).requires_grad_()
+    cosine_scale = (5 + 10 * torch.rand(heads, device=DEVICE)).requires_grad_()
+    out = flash_window_attention_image(qkv, dense_bias(table, window),
+                                       mask_classes(shifted_window_mask(spec, DEVICE), spec), qkv_bias, window, shift,
+                                       1.0, cosine_scale)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    leaves = [t.detach().double().requires_grad_() for t in (qkv, table, qkv_bias, cosine_scale)]
+    args = WindowAttentionArgs(spec, 1.0, leaves[1], relative_position_index(window, DEVICE),
+                               shifted_window_mask(spec, DEVICE, torch.float64), leaves[2], leaves[3])
+    ref = standard_attention(leaves[0], args)
+    ref.backward(grad.double())
+    tol = TOL[dtype] * 4  # scores up to ~15 (the scale) magnify input rounding
+    assert rel_err(out, ref) < tol
+    for name, t, r in zip(("qkv", "table", "cosine_scale"), (qkv, table, cosine_scale), leaves[:2] + leaves[3:]):
+        assert rel_err(t.grad, r.grad) < 2 * tol, name
+    if spec.padded and not shifted:  # shifted: padded tokens are a region of their own, their gradient ~e^-100
+        assert rel_err(qkv_bias.grad, leaves[2].grad) < 2 * tol
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_model_flash_matches_standard(compiled):
     """Model level: same logits (1e-5) and parameter gradients (1e-4) as the standard backend, fp32.
@@ -262,8 +295,9 @@ _ACCESS_PROBE = textwrap.dedent("""
         return sorted(tkw.identify_mutated_tensors(kernel, kwargs, {}))
     qkv = torch.randn(2, 9, 10, 3, 2, 16)
     bias, mask, fill = torch.randn(2, 49, 49), torch.randn(4, 49, 49), torch.randn(2, 2, 16)
-    fw._image_op(qkv, bias, mask, fill, [7, 7], [3, 3], 0.25)
-    fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, bias, mask, fill, [7, 7], [3, 3], 0.25)
+    fw._image_op(qkv, bias, mask, fill, None, [7, 7], [3, 3], 0.25)
+    fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, bias, mask, fill, None, [7, 7], [3, 3], 0.25)
+    fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, bias, mask, fill, torch.rand(2), [7, 7], [3, 3], 1.0)
     q = torch.randn(8, 2, 49, 16)
     fw._window_op(q, q, q, bias, mask, [2, 2], 0.25)
     fw._window_op_bwd(q, q, q, q, bias, mask, [2, 2], 0.25)
@@ -272,8 +306,8 @@ _ACCESS_PROBE = textwrap.dedent("""
 
 
 def test_compile_sees_kernels_write_only_their_outputs():
-    """Issue 12: torch.compile must see that the kernels write o (forward) and dqkv plus the bias / fill
-    gradient buffers (backward) and nothing else; reading q/k/v as written made inductor copy them around
+    """Issue 12: torch.compile must see that the kernels write o (forward) and dqkv plus the bias / fill (/ cosine
+    scale) gradient buffers (backward) and nothing else; reading q/k/v as written made inductor copy them around
     every launch (9.3 ms of a 31 ms Swin-T training step on the H100)."""
     import torch._higher_order_ops.triton_kernel_wrap as tkw
     if not hasattr(tkw, "identify_accessed_tensors") and not hasattr(tkw, "identify_mutated_tensors"):
@@ -286,7 +320,9 @@ def test_compile_sees_kernels_write_only_their_outputs():
     tiles, forward = ("bias_tiles_kernel", ["tiles_ptr"]), ("window_attn_fwd_kernel", ["o_ptr"])
     backward_image = ("window_attn_bwd_kernel", ["dbias_ptr", "dfill_ptr", "dqkv_ptr"])
     backward_window = ("window_attn_bwd_kernel", ["dbias_ptr", "dqkv_ptr"])
-    assert launches == [tiles, forward, tiles, backward_image, tiles, forward, tiles, backward_window]
+    backward_cosine = ("window_attn_bwd_kernel", ["dbias_ptr", "dfill_ptr", "dqkv_ptr", "dqs_ptr"])
+    assert launches == [tiles, forward, tiles, backward_image, tiles, backward_cosine, tiles, forward, tiles,
+                        backward_window]
 
 
 # (window, head_dim, dtype) of every launch configuration the GPU tests below and the Swin models use
@@ -418,8 +454,10 @@ def test_opcheck():
     qkv = torch.randn(1, 6, 7, 3, 2, 16, device=DEVICE)
     fill = torch.randn(2, 2, 16, device=DEVICE)
     mask = mask_classes(shifted_window_mask(spec, DEVICE), spec)
-    torch.library.opcheck(torch.ops.swin.flash_window_attn_image.default, (qkv, bias, mask, fill, [4, 4], [2, 2], 0.25),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    for cosine_scale, scale in ((None, 0.25), (torch.rand(2, device=DEVICE) + 1, 1.0)):
+        torch.library.opcheck(torch.ops.swin.flash_window_attn_image.default,
+                              (qkv, bias, mask, fill, cosine_scale, [4, 4], [2, 2], scale),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     assert spec.padded
 
 

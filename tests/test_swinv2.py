@@ -218,26 +218,32 @@ def test_finetune_experiment_from_a_timm_v2_file(tmp_path):
 @pytest.mark.parametrize("name,img_size", [(TINY, (192, 256)), ("swinv2_tiny_window16_256", (256, 256))])
 def test_gpu_flash_bf16_matches_fp32(name, img_size):
     """bf16 on the GPU, compiled (fullgraph): flash_window within bf16 tolerance of the fp32 standard backend, logits
-    and every gradient; window 16: 256-token windows. Logit scales near timm's init (10): with scales near the clamp
-    (100) a bf16 q alone moves scores by ~0.4, in timm's bf16 math as in ours."""
+    and every gradient; window 16: 256-token windows. "Within bf16 tolerance" is measured, not guessed: a parameter's
+    gradient may be as far from fp32 as 5e-2 or twice as far as the standard backend's own bf16 math gets (small
+    gradients such as the CPB MLP's first bias come out of long bf16 reductions in either backend). Logit scales near
+    timm's init (10): with scales near the clamp (100) a bf16 q alone moves scores by ~0.4, in timm's bf16 math as in
+    ours."""
     arch = dict(img_size=img_size, depths=(2, 2, 2, 2), drop_path_rate=0.0)
     model = randomised(swin.create_model(name, attention="flash_window", **arch)).cuda()
     with torch.no_grad():
         for block in (b for stage in model.layers for b in stage.blocks):
             block.attn.logit_scale.copy_(math.log(10.0) + 0.3 * torch.randn_like(block.attn.logit_scale))
-    reference = swin.create_model(name, attention="standard", **arch).cuda()
+    reference, standard_bf16 = (swin.create_model(name, attention="standard", **arch).cuda() for _ in range(2))
     reference.load_state_dict(model.state_dict())
+    standard_bf16.load_state_dict(model.state_dict())
     x = torch.randn(4, 3, *img_size, device="cuda")
+    probe = torch.randn(4, model.num_classes, device="cuda")
     compiled = torch.compile(model, fullgraph=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = compiled(x)
+        out, out_std = compiled(x), standard_bf16(x)
     ref = reference(x)
-    assert rel_err(out.float(), ref) < 3e-2
-    probe = torch.randn_like(ref)
-    (out.float() * probe).sum().backward()
-    (ref * probe).sum().backward()
-    for (pname, p), q in zip(reference.named_parameters(), model.parameters()):
-        assert rel_err(q.grad, p.grad) < 5e-2, pname
+    assert rel_err(out.float(), ref) < max(3e-2, 2 * rel_err(out_std.float(), ref))
+    for y in (out, out_std, ref):
+        (y.float() * probe).sum().backward()
+    params = zip(reference.named_parameters(), model.parameters(), standard_bf16.parameters())
+    for (pname, p), q, s in params:
+        flash_err, standard_err = rel_err(q.grad, p.grad), rel_err(s.grad, p.grad)
+        assert flash_err < max(5e-2, 2 * standard_err), (pname, flash_err, standard_err)
 
 
 def test_imagenet_swinv2_tiny_is_the_v2_paper_recipe():
