@@ -17,11 +17,14 @@
 #                                         # eval.py top-1 with each decode path; table in $OUT/data/bench_data.md
 #   bash scripts/gpu_session.sh contention  # GPU decoding in worker processes vs threads beside a CUDA-graph step
 #                                         # (scripts/bench_decode_contention.py, ~3 min)
+#   bash scripts/gpu_session.sh nvjpeg-hw # the GPU's hardware JPEG decoders through nvJPEG (ctypes): rate, host time,
+#                                         # pixels, step time beside them (scripts/probe_nvjpeg_hardware.py, ~2 min)
 # Hydra is missing on the device machine: carry .whl (../shared/device-wheels/, see its README).
 set -uo pipefail
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|contention) ;;
-  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|e2e-v2|loop|data|contention" >&2; exit 2 ;;
+  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|contention|nvjpeg-hw) ;;
+  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|e2e-v2|loop|data|contention|nvjpeg-hw" >&2
+     exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
@@ -91,6 +94,8 @@ case "${1:-}" in
     python scripts/loop_report.py "$OUT" | tee "$OUT/loop.md" ;;
   contention)
     python scripts/bench_decode_contention.py 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
+  nvjpeg-hw)
+    python scripts/probe_nvjpeg_hardware.py 2>&1 | grep -v Warning | tee "$OUT/nvjpeg_hw.md" ;;
   data)
     # each part bounded so that the stage fits one 10-minute call: tests <= 90 s, the benchmark <= 470 s (rows not
     # started after DATA_BUDGET_S are skipped; a running train.py/eval.py is stopped at the budget); ~6-7 min expected

@@ -1,0 +1,251 @@
+"""Can the H100's JPEG engines (NVJPG) feed training without slowing it? (issue 15)
+
+torchvision's `decode_jpeg(device="cuda")` runs nvJPEG's hybrid backend: Huffman decoding on the CPU (~20 ms of
+host time per 128 ImageNet-sized files, under the training process's GIL) and the rest in CUDA kernels on the SMs
+the training step needs (docs/benchmarks.md, "Worker processes or threads"). A100/H100-class GPUs also have
+hardware JPEG decoders, which nvJPEG exposes as NVJPEG_BACKEND_HARDWARE: no SMs, little host time. torchvision does
+not use them, but it ships libnvjpeg, and nvJPEG's C API is small enough to call through ctypes (which releases the
+GIL for the call). This probe answers, on the device:
+
+1. does the hardware backend open (engines, cores per engine), and which files does it take (baseline 4:2:0 /
+   4:4:4 / grey; progressive goes to the fallback);
+2. its batched decode rate and host time per batch of 128, beside torchvision's hybrid decoder;
+3. the pixels against torchvision's decode of the same files;
+4. the step time of a CUDA-graph "training step" (scripts/bench_decode_contention.py) beside a thread decoding
+   with the engines, against the step alone.
+
+    python scripts/probe_nvjpeg_hardware.py [--jpegs 128] [--seconds 6]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import io
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+BACKEND_DEFAULT, BACKEND_HARDWARE = 0, 3
+OUTPUT_RGB = 3  # planar: channel c at channel[c] with pitch[c]
+STATUS = {0: "success", 1: "not initialized", 2: "invalid parameter", 3: "bad jpeg", 4: "jpeg not supported",
+          5: "allocator failure", 6: "execution failed", 7: "arch mismatch", 8: "internal error",
+          9: "implementation not supported", 10: "incomplete bitstream"}
+
+
+class Image(ctypes.Structure):
+    """nvjpegImage_t: up to four planes, each a device pointer and a row pitch in bytes."""
+    _fields_ = [("channel", ctypes.c_void_p * 4), ("pitch", ctypes.c_size_t * 4)]
+
+
+def load_nvjpeg() -> ctypes.CDLL:
+    """The libnvjpeg that torchvision ships (torchvision.libs/), else the system's."""
+    import torchvision
+    here = Path(torchvision.__file__).parent
+    candidates = sorted(glob.glob(str(here.parent / "torchvision.libs" / "libnvjpeg*.so*")))
+    candidates += sorted(glob.glob(str(here.parent / "nvidia" / "*" / "lib" / "libnvjpeg.so*")))
+    candidates += ["libnvjpeg.so.13", "libnvjpeg.so.12", "libnvjpeg.so"]
+    errors = []
+    for path in candidates:
+        try:
+            return ctypes.CDLL(path)
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+    raise OSError("no libnvjpeg found:\n" + "\n".join(errors))
+
+
+def check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what}: nvJPEG status {status} ({STATUS.get(status, '?')})")
+
+
+class BatchedDecoder:
+    """nvjpegDecodeBatched with one backend: a list of JPEG byte strings -> a list of (3, H, W) uint8 CUDA
+    tensors, decoded on the current CUDA stream."""
+
+    def __init__(self, lib: ctypes.CDLL, backend: int, batch: int):
+        self.lib, self.batch = lib, batch
+        self.handle, self.state = ctypes.c_void_p(), ctypes.c_void_p()
+        check(lib.nvjpegCreateEx(ctypes.c_int(backend), None, None, ctypes.c_uint(0), ctypes.byref(self.handle)),
+              f"nvjpegCreateEx(backend {backend})")
+        check(lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
+        check(lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, ctypes.c_int(batch), ctypes.c_int(1),
+                                                ctypes.c_int(OUTPUT_RGB)), "nvjpegDecodeBatchedInitialize")
+        self.stream = ctypes.c_void_p()
+        check(lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.stream)), "nvjpegJpegStreamCreate")
+
+    def engines(self) -> tuple[int, int] | None:
+        engines, cores = ctypes.c_uint(), ctypes.c_uint()
+        fn = getattr(self.lib, "nvjpegGetHardwareDecoderInfo", None)
+        if fn is None or fn(self.handle, ctypes.byref(engines), ctypes.byref(cores)) != 0:
+            return None
+        return engines.value, cores.value
+
+    def size(self, data: bytes) -> tuple[int, int, int]:
+        """(components, height, width) of the file's first component."""
+        comps, sub = ctypes.c_int(), ctypes.c_int()
+        widths, heights = (ctypes.c_int * 4)(), (ctypes.c_int * 4)()
+        check(self.lib.nvjpegGetImageInfo(self.handle, data, ctypes.c_size_t(len(data)), ctypes.byref(comps),
+                                          ctypes.byref(sub), widths, heights), "nvjpegGetImageInfo")
+        return comps.value, heights[0], widths[0]
+
+    def supported(self, data: bytes) -> bool:
+        """Whether this backend's batched decode takes the file (hardware: baseline JPEGs it can do)."""
+        check(self.lib.nvjpegJpegStreamParse(self.handle, data, ctypes.c_size_t(len(data)), 0, 0, self.stream),
+              "nvjpegJpegStreamParse")
+        flag = ctypes.c_int()
+        check(self.lib.nvjpegDecodeBatchedSupported(self.handle, self.stream, ctypes.byref(flag)),
+              "nvjpegDecodeBatchedSupported")
+        return flag.value == 0  # 0: supported
+
+    def __call__(self, files: list[bytes], sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
+        n = len(files)
+        assert n == self.batch, "nvjpegDecodeBatchedInitialize fixed the batch size"
+        outs = [torch.empty((3, h, w), dtype=torch.uint8, device="cuda") for h, w in sizes]
+        images = (Image * n)()
+        for img, out, (h, w) in zip(images, outs, sizes):
+            for c in range(3):
+                img.channel[c] = out.data_ptr() + c * h * w
+                img.pitch[c] = w
+        data = (ctypes.c_char_p * n)(*files)
+        lengths = (ctypes.c_size_t * n)(*[len(f) for f in files])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        check(self.lib.nvjpegDecodeBatched(self.handle, self.state, data, lengths, images, stream),
+              "nvjpegDecodeBatched")
+        return outs
+
+
+def make_files(n: int) -> dict[str, list[bytes]]:
+    """n ImageNet-like files (~100 KB, ~500x375) as 4:2:0 baseline (PIL's default), 4:4:4, grey, progressive."""
+    from make_imagefolder import make_image
+    kinds: dict[str, list[bytes]] = {"4:2:0": [], "4:4:4": [], "grey": [], "progressive": []}
+    for k in range(n):
+        img = make_image(k % 64, 64, k)
+        for kind, args in (("4:2:0", {}), ("4:4:4", {"subsampling": 0}), ("grey", {}),
+                           ("progressive", {"progressive": True})):
+            buf = io.BytesIO()
+            (img.convert("L") if kind == "grey" else img).save(buf, "JPEG", quality=90, **args)
+            kinds[kind].append(buf.getvalue())
+    return kinds
+
+
+def rate(fn, seconds: float, batch: int) -> tuple[float, float]:
+    """(img/s, host ms per call) of fn() in a loop, synchronising every 4 calls."""
+    fn()
+    torch.cuda.synchronize()
+    calls, host, start = 0, 0.0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        fn()
+        host += time.perf_counter() - t
+        calls += 1
+        if calls % 4 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return calls * batch / (time.perf_counter() - start), host / calls * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jpegs", type=int, default=128, help="files per batch")
+    parser.add_argument("--seconds", type=float, default=5.0, help="timed seconds per row")
+    args = parser.parse_args()
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    torch.cuda.init()
+    lib = load_nvjpeg()
+    print(f"# {torch.cuda.get_device_name()}: torch {torch.__version__}, libnvjpeg {lib._name}")
+    files = make_files(args.jpegs)
+    print(f"# {args.jpegs} files per batch; mean sizes: " + ", ".join(
+        f"{k} {np.mean([len(f) for f in v]) / 1e3:.0f} KB" for k, v in files.items()))
+    try:
+        hw = BatchedDecoder(lib, BACKEND_HARDWARE, args.jpegs)
+    except RuntimeError as e:
+        print(f"hardware backend: unavailable ({e})")
+        return
+    print(f"hardware backend: open; engines, cores per engine: {hw.engines()}")
+    for kind, fs in files.items():
+        print(f"  {kind}: hardware batched decode takes {sum(hw.supported(f) for f in fs)} of {len(fs)} files")
+    hybrid = BatchedDecoder(lib, BACKEND_DEFAULT, args.jpegs)
+
+    main_files = files["4:2:0"]
+    sizes = [hw.size(f)[1:] for f in main_files]
+    blobs = [torch.frombuffer(bytearray(f), dtype=torch.uint8) for f in main_files]
+    print(f"\n| decoder (batch of {args.jpegs}, 4:2:0) | img/s | host ms per batch |\n|---|---|---|")
+    rows = {"nvJPEG hardware (ctypes)": lambda: hw(main_files, sizes),
+            "nvJPEG default backend (ctypes)": lambda: hybrid(main_files, sizes),
+            "torchvision decode_jpeg(device=cuda)": lambda: decode_jpeg(blobs, mode=ImageReadMode.RGB,
+                                                                        device="cuda")}
+    for name, fn in rows.items():
+        r, host = rate(fn, args.seconds, args.jpegs)
+        print(f"| {name} | {r:,.0f} | {host:.1f} |", flush=True)
+
+    for kind in ("4:2:0", "4:4:4", "grey"):
+        fs = files[kind]
+        try:
+            got = hw(fs, [hw.size(f)[1:] for f in fs])
+        except RuntimeError as e:
+            print(f"pixels, {kind}: hardware batch failed ({e})")
+            continue
+        ref = decode_jpeg([torch.frombuffer(bytearray(f), dtype=torch.uint8) for f in fs], mode=ImageReadMode.RGB,
+                          device="cuda")
+        diff = [(a.float() - b.float()).abs().mean().item() for a, b in zip(got, ref)]
+        luma = [(_luma(a) - _luma(b)).abs().mean().item() for a, b in zip(got, ref)]
+        print(f"pixels, {kind}: mean |hardware - torchvision| RGB {np.mean(diff):.2f} (max per image "
+              f"{np.max(diff):.2f}), luma {np.mean(luma):.2f}")
+
+    from bench_decode_contention import step_graph, step_ms
+    graph = step_graph()
+    alone = step_ms(graph, args.seconds)
+    print("\n| beside the step | step ms | x step alone | decode img/s |\n|---|---|---|---|")
+    print(f"| nothing | {alone:.2f} | 1.00 | - |")
+    for threads in (1, 2):
+        ms, r = beside(graph, lambda: BatchedDecoder(lib, BACKEND_HARDWARE, args.jpegs), main_files, sizes,
+                       threads, args.seconds)
+        print(f"| {threads} thread(s) decoding with the engines | {ms:.2f} | {ms / alone:.2f} | {r:,.0f} |",
+              flush=True)
+
+
+def _luma(x: torch.Tensor) -> torch.Tensor:
+    r, g, b = x.float()
+    return 0.299 * r + 0.587 * g + 0.114 * b
+
+
+def beside(graph, make_decoder, files: list[bytes], sizes, threads: int, seconds: float) -> tuple[float, float]:
+    """Step time with `threads` threads decoding in a loop (each its own decoder and stream), and their img/s."""
+    from bench_decode_contention import step_ms
+    stop, counts = threading.Event(), [0] * threads
+
+    def loop(i: int) -> None:
+        decoder, stream = make_decoder(), torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                decoder(files, sizes)
+                stream.synchronize()
+                counts[i] += 1
+    workers = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(threads)]
+    for t in workers:
+        t.start()
+    deadline = time.perf_counter() + 60
+    while sum(counts) < 2 * threads and time.perf_counter() < deadline:
+        time.sleep(0.1)
+    before, start = sum(counts), time.perf_counter()
+    ms = step_ms(graph, seconds)
+    r = (sum(counts) - before) * len(files) / (time.perf_counter() - start)
+    stop.set()
+    for t in workers:
+        t.join(timeout=30)
+    return ms, r
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
