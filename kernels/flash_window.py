@@ -420,6 +420,8 @@ def flash_window_attention_image(qkv: torch.Tensor, bias: torch.Tensor, mask: to
     if cosine_scale is not None:
         if cosine_scale.numel() != heads:
             raise ValueError(f"cosine_scale must hold one value per head ({heads}), got {tuple(cosine_scale.shape)}")
+        if cosine_scale.device != qkv.device:
+            raise ValueError(f"cosine_scale must be on the device of qkv ({qkv.device}), got {cosine_scale.device}")
         cosine_scale = cosine_scale.reshape(heads).float()
     return _image_op(qkv, bias, mask, fill, cosine_scale, list(window_size), [int(s) for s in shift_size],
                      float(scale))

@@ -170,7 +170,7 @@ def test_image_op_matches_partitioned_reference(feat, window, shifted, dtype):
 
 @pytest.mark.parametrize("feat,window,shifted,dtype", [
     ((10, 13), (4, 5), False, torch.float32),  # padded: padded keys hold the raw k bias, normalised like the rest
-    ((14, 18), (7, 9), True, torch.float32),   # 63-token windows: several query blocks per window
+    ((18, 20), (9, 9), True, torch.float32),   # 81-token windows: several query blocks per window
     ((8, 8), (4, 4), True, torch.float16),
 ])
 def test_image_op_cosine_matches_reference(feat, window, shifted, dtype):
@@ -297,6 +297,7 @@ _ACCESS_PROBE = textwrap.dedent("""
     bias, mask, fill = torch.randn(2, 49, 49), torch.randn(4, 49, 49), torch.randn(2, 2, 16)
     fw._image_op(qkv, bias, mask, fill, None, [7, 7], [3, 3], 0.25)
     fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, bias, mask, fill, None, [7, 7], [3, 3], 0.25)
+    fw._image_op(qkv, bias, mask, fill, torch.rand(2), [7, 7], [3, 3], 1.0)
     fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, bias, mask, fill, torch.rand(2), [7, 7], [3, 3], 1.0)
     q = torch.randn(8, 2, 49, 16)
     fw._window_op(q, q, q, bias, mask, [2, 2], 0.25)
@@ -321,8 +322,8 @@ def test_compile_sees_kernels_write_only_their_outputs():
     backward_image = ("window_attn_bwd_kernel", ["dbias_ptr", "dfill_ptr", "dqkv_ptr"])
     backward_window = ("window_attn_bwd_kernel", ["dbias_ptr", "dqkv_ptr"])
     backward_cosine = ("window_attn_bwd_kernel", ["dbias_ptr", "dfill_ptr", "dqkv_ptr", "dqs_ptr"])
-    assert launches == [tiles, forward, tiles, backward_image, tiles, backward_cosine, tiles, forward, tiles,
-                        backward_window]
+    assert launches == [tiles, forward, tiles, backward_image, tiles, forward, tiles, backward_cosine, tiles,
+                        forward, tiles, backward_window]
 
 
 # (window, head_dim, dtype) of every launch configuration the GPU tests below and the Swin models use
@@ -454,10 +455,14 @@ def test_opcheck():
     qkv = torch.randn(1, 6, 7, 3, 2, 16, device=DEVICE)
     fill = torch.randn(2, 2, 16, device=DEVICE)
     mask = mask_classes(shifted_window_mask(spec, DEVICE), spec)
-    for cosine_scale, scale in ((None, 0.25), (torch.rand(2, device=DEVICE) + 1, 1.0)):
-        torch.library.opcheck(torch.ops.swin.flash_window_attn_image.default,
-                              (qkv, bias, mask, fill, cosine_scale, [4, 4], [2, 2], scale),
+    for cosine_scale, scale in ((None, 0.25), ((torch.rand(2, device=DEVICE) + 1).requires_grad_(), 1.0)):
+        inputs = (qkv.requires_grad_(), bias.requires_grad_(), mask, fill.requires_grad_(), cosine_scale)
+        torch.library.opcheck(torch.ops.swin.flash_window_attn_image.default, (*inputs, [4, 4], [2, 2], scale),
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+        grad_out = torch.randn(1, 6, 7, 2, 16, device=DEVICE)
+        torch.library.opcheck(torch.ops.swin.flash_window_attn_image_bwd.default,
+                              (grad_out, *(t.detach() if t is not None else None for t in inputs), [4, 4], [2, 2],
+                               scale), test_utils=("test_schema", "test_faketensor"))
     assert spec.padded
 
 
@@ -481,6 +486,9 @@ def test_bad_inputs_raise_clear_errors():
     wide = torch.randn(1, 1, 16, 256, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim up to 128"):
         flash_window_attention(wide, wide, wide, torch.randn(1, 16, 16, device=DEVICE))
+    qkv = torch.randn(1, 4, 4, 3, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"cosine_scale must hold one value per head \(2\)"):
+        flash_window_attention_image(qkv, bias, None, None, (4, 4), (0, 0), 1.0, torch.ones(3, device=DEVICE))
 
 
 def test_auto_falls_back_to_sdpa_with_one_warning(monkeypatch):

@@ -220,9 +220,9 @@ def test_gpu_flash_bf16_matches_fp32(name, img_size):
     """bf16 on the GPU, compiled (fullgraph): flash_window within bf16 tolerance of the fp32 standard backend, logits
     and every gradient; window 16: 256-token windows. "Within bf16 tolerance" is measured, not guessed: a parameter's
     gradient may be as far from fp32 as 5e-2 or twice as far as the standard backend's own bf16 math gets (small
-    gradients such as the CPB MLP's first bias come out of long bf16 reductions in either backend). Logit scales near
-    timm's init (10): with scales near the clamp (100) a bf16 q alone moves scores by ~0.4, in timm's bf16 math as in
-    ours."""
+    gradients such as the CPB MLP's first bias come out of long bf16 reductions in either backend), never 20%.
+    Logit scales near timm's init (10): with scales near the clamp (100) a bf16 q alone moves scores by ~0.4, in
+    timm's bf16 math as in ours."""
     arch = dict(img_size=img_size, depths=(2, 2, 2, 2), drop_path_rate=0.0)
     model = randomised(swin.create_model(name, attention="flash_window", **arch)).cuda()
     with torch.no_grad():
@@ -243,7 +243,8 @@ def test_gpu_flash_bf16_matches_fp32(name, img_size):
     params = zip(reference.named_parameters(), model.parameters(), standard_bf16.parameters())
     for (pname, p), q, s in params:
         flash_err, standard_err = rel_err(q.grad, p.grad), rel_err(s.grad, p.grad)
-        assert flash_err < max(5e-2, 2 * standard_err), (pname, flash_err, standard_err)
+        # capped: a gradient that bf16 math cannot pin down better than 20% says nothing either way
+        assert flash_err < min(0.2, max(5e-2, 2 * standard_err)), (pname, flash_err, standard_err)
 
 
 def test_imagenet_swinv2_tiny_is_the_v2_paper_recipe():
