@@ -130,6 +130,21 @@ def test_window_op_16x16_window():
     check_window_op(1, (1, 2), (16, 16), (8, 8), 1, 16, torch.float32)
 
 
+def image_op_inputs(feat, window, shifted, heads, dtype, table_std=0.5):
+    """(spec, qkv, qkv_bias, table) of a random (B, H, W, 3, heads, 16) projection, all requiring grad."""
+    spec = WindowSpec(feat, window, (window[0] // 2, window[1] // 2) if shifted else (0, 0))
+    qkv = torch.randn(2, *feat, 3, heads, 16, device=DEVICE, dtype=dtype, requires_grad=True)
+    qkv_bias = (0.5 * torch.randn(3, heads, 16, device=DEVICE)).requires_grad_()
+    table = table_std * torch.randn((2 * window[0] - 1) * (2 * window[1] - 1), heads, device=DEVICE)
+    return spec, qkv, qkv_bias, table.requires_grad_()
+
+
+def run_image_op(spec, qkv, qkv_bias, table, scale, cosine_scale=None):
+    mask = mask_classes(shifted_window_mask(spec, DEVICE), spec)
+    return flash_window_attention_image(qkv, dense_bias(table, spec.window_size), mask, qkv_bias, spec.window_size,
+                                        spec.shift_size, scale, cosine_scale)
+
+
 @pytest.mark.parametrize("feat,window,shifted,dtype", [
     ((10, 13), (4, 5), True, torch.float32),   # padded on both axes, shifted
     ((10, 13), (4, 5), False, torch.float32),  # padded, unshifted: padded keys/values (qkv bias) are attended
@@ -137,16 +152,9 @@ def test_window_op_16x16_window():
 ])
 def test_image_op_matches_partitioned_reference(feat, window, shifted, dtype):
     """Fused shift/pad/partition: same numbers as roll + pad + partition + attention (float64)."""
-    heads, head_dim, batch = 2, 16, 2
-    shift = (window[0] // 2, window[1] // 2) if shifted else (0, 0)
-    spec = WindowSpec(feat, window, shift)
-    qkv = torch.randn(batch, *feat, 3, heads, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
-    qkv_bias = (0.5 * torch.randn(3, heads, head_dim, device=DEVICE)).requires_grad_()
-    table = (0.5 * torch.randn((2 * window[0] - 1) * (2 * window[1] - 1), heads, device=DEVICE)).requires_grad_()
-    scale = head_dim ** -0.5
-    out = flash_window_attention_image(qkv, dense_bias(table, window),
-                                       mask_classes(shifted_window_mask(spec, DEVICE), spec), qkv_bias, window, shift,
-                                       scale)
+    spec, qkv, qkv_bias, table = image_op_inputs(feat, window, shifted, 2, dtype)
+    scale = 16 ** -0.5
+    out = run_image_op(spec, qkv, qkv_bias, table, scale)
     grad = torch.randn_like(out)
     out.backward(grad)
     leaves = [t.detach().double().requires_grad_() for t in (qkv, table, qkv_bias)]
@@ -176,16 +184,9 @@ def test_image_op_matches_partitioned_reference(feat, window, shifted, dtype):
 def test_image_op_cosine_matches_reference(feat, window, shifted, dtype):
     """Swin V2's scaled cosine attention normalised in the kernel: output and the gradients of the raw qkv, the
     bias table, the qkv bias (padded tokens) and the per-head scale as float64 math that normalises explicitly."""
-    heads, head_dim, batch = 3, 16, 2
-    shift = (window[0] // 2, window[1] // 2) if shifted else (0, 0)
-    spec = WindowSpec(feat, window, shift)
-    qkv = torch.randn(batch, *feat, 3, heads, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
-    qkv_bias = (0.5 * torch.randn(3, heads, head_dim, device=DEVICE)).requires_grad_()
-    table = (2 * torch.randn((2 * window[0] - 1) * (2 * window[1] - 1), heads, device=DEVICE)).requires_grad_()
-    cosine_scale = (5 + 10 * torch.rand(heads, device=DEVICE)).requires_grad_()
-    out = flash_window_attention_image(qkv, dense_bias(table, window),
-                                       mask_classes(shifted_window_mask(spec, DEVICE), spec), qkv_bias, window, shift,
-                                       1.0, cosine_scale)
+    spec, qkv, qkv_bias, table = image_op_inputs(feat, window, shifted, 3, dtype, table_std=2.0)
+    cosine_scale = (5 + 10 * torch.rand(3, device=DEVICE)).requires_grad_()
+    out = run_image_op(spec, qkv, qkv_bias, table, 1.0, cosine_scale)
     grad = torch.randn_like(out)
     out.backward(grad)
     leaves = [t.detach().double().requires_grad_() for t in (qkv, table, qkv_bias, cosine_scale)]
