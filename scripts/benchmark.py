@@ -110,11 +110,13 @@ class RowSpec:
     batch_size: int
     precision: str     # bf16 | fp16 | fp32
     compile_mode: str | None = None  # this row's torch.compile mode; None: the config's compile_mode
+    fused_mlp_act: bool = False  # ours: fc1 + GELU in one kernel without gradients (inference)
 
     @property
     def label(self) -> str:
         mode = f"({self.compile_mode})" if self.compile and self.compile_mode else ""
-        return (f"{self.impl} {self.attention}{' +compile' if self.compile else ''}{mode} b{self.batch_size} "
+        fused = " +fused_gelu" if self.fused_mlp_act else ""
+        return (f"{self.impl}{fused} {self.attention}{' +compile' if self.compile else ''}{mode} b{self.batch_size} "
                 f"{self.precision}")
 
 
@@ -134,6 +136,9 @@ def expand_grid(grid: DictConfig) -> list[RowSpec]:
         valid = ("standard", "sdpa", "flash_window") if impl == "ours" else ("math", "sdpa", "sdpa_no_cudnn")
         if attention not in valid:
             raise ValueError(f"grid row attention for {impl} must be one of {valid}, got {attention!r}")
+        fused = bool(entry.get("fused_mlp_act", False))
+        if fused and impl != "ours":
+            raise ValueError("grid row fused_mlp_act is a setting of ours (swin.create_model), not of timm's model")
         for compiled in _as_list(entry.get("compile", [False])):
             for batch in _as_list(grid.batch_size):
                 for precision in _as_list(grid.precision):
@@ -141,7 +146,7 @@ def expand_grid(grid: DictConfig) -> list[RowSpec]:
                         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
                     mode = entry.get("compile_mode")
                     specs.append(RowSpec(impl, attention, bool(compiled), int(batch), str(precision),
-                                         None if mode is None else str(mode)))
+                                         None if mode is None else str(mode), fused))
     return specs
 
 
@@ -158,8 +163,8 @@ def architecture(model_cfg: DictConfig) -> tuple[str, dict[str, Any]]:
     return cfg["name"], arch
 
 
-def create_ours(name: str, arch: dict[str, Any], attention: str) -> nn.Module:
-    model = swin.create_model(name, attention=attention, **arch)
+def create_ours(name: str, arch: dict[str, Any], attention: str, fused_mlp_act: bool = False) -> nn.Module:
+    model = swin.create_model(name, attention=attention, fused_mlp_act=fused_mlp_act, **arch)
     if model.attention != attention:
         raise RuntimeError(f"model reports attention {model.attention!r}, wanted {attention!r}")
     return model
@@ -211,7 +216,7 @@ def create_timm(name: str, arch: dict[str, Any], fused: bool) -> nn.Module:
 
 def create_model(spec: RowSpec, name: str, arch: dict[str, Any]) -> nn.Module:
     if spec.impl == "ours":
-        return create_ours(name, arch, spec.attention)
+        return create_ours(name, arch, spec.attention, spec.fused_mlp_act)
     if is_swinv2(name):
         return create_timm_v2(name, arch)
     return create_timm(name, arch, fused=spec.attention != "math")
@@ -616,7 +621,8 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         compiled = (r.get("compile_mode") or "yes") if r["compile"] else "no"
-        head = [r["impl"], r["attention"], compiled, str(r["batch_size"]), r["precision"]]
+        impl = r["impl"] + (" +fused GELU" if r.get("fused_mlp_act") else "")
+        head = [impl, r["attention"], compiled, str(r["batch_size"]), r["precision"]]
         if "error" in r or "skipped" in r:
             lines.append("| " + " | ".join(head + [r.get("error") or r["skipped"]] + ["-"] * (len(cols) - 6)) + " |")
             continue
@@ -637,7 +643,7 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
 
 def _row_label(r: dict[str, Any]) -> str:
     return RowSpec(r["impl"], r["attention"], r["compile"], r["batch_size"], r["precision"],
-                   r.get("compile_mode")).label
+                   r.get("compile_mode"), r.get("fused_mlp_act", False)).label
 
 
 def _largest_share(breakdown: dict[str, float]) -> str:

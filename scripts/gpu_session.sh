@@ -4,7 +4,8 @@
 #   bash scripts/gpu_session.sh kernel    # launch sweep (SWIN_FW_* knobs), then the attention benchmark of every
 #                                         # stage shape (KERNEL_DTYPES="bf16 fp32"; the paper's kernel from .paper/)
 #   bash scripts/gpu_session.sh e2e       # Swin-T end to end: grid=compiled (CUDA graphs and default mode) with the breakdown
-#                                         # (E2E_GRID=autotune: max-autotune against reduce-overhead)
+#                                         # (E2E_GRID=autotune: max-autotune against reduce-overhead;
+#                                         # E2E_GRID=fused_gelu: fc1 + GELU in one kernel in inference)
 #   E2E_MODEL=384 bash scripts/gpu_session.sh e2e-base  # Swin-B 384 (or 224) end to end, grid=best
 #   V2_MODEL=swinv2_base_window16_256 V2_BATCH=64 bash scripts/gpu_session.sh e2e-v2  # Swin V2 against timm's V2,
 #                                         # grid=swinv2 (default: swinv2_tiny_window8_256, b64 and b128)
@@ -39,9 +40,10 @@ python -c "import torch, triton, timm; print('torch', torch.__version__, 'triton
 case "${1:-}" in
   tests)
     # pytest-xdist (carry its wheel and execnet's in .whl): Triton compiles every case's kernels, on 8 cores at once.
-    # The tests that touch the GPU: the kernel file and V2's flash tests (tests/test_model.py runs on the CPU only:
+    # The tests that touch the GPU: the kernel files and V2's flash tests (tests/test_model.py runs on the CPU only:
     # its timm comparisons are CI's, and took 200 s of CPU each here)
-    python -m pytest -q -n 8 --durations=10 tests/test_flash_window.py tests/test_swinv2.py -k "flash or gpu" 2>&1 \
+    python -m pytest -q -n 8 --durations=10 tests/test_flash_window.py tests/test_swinv2.py tests/test_linear_gelu.py \
+      -k "flash or gpu or linear_gelu" 2>&1 \
       | tee "$OUT/gpu_tests.txt"
     # the training step never syncs (CUDA sync debug mode), the side-stream loader keeps batches intact
     python -m pytest -q -m gpu tests/test_train_guard.py tests/test_data.py 2>&1 | tee "$OUT/gpu_loop_tests.txt" ;;

@@ -65,7 +65,8 @@ def create_model(name: str, pretrained: str | bool | None = None, **overrides: A
 
     Overrides: attention, num_classes, img_size, window_size, patch_size, embed_dim, depths,
     num_heads, drop_path_rate, drop_rate, mlp_ratio, in_chans, qkv_bias, dynamic_img_size,
-    recompute_mlp_act (default True: the MLP GELU output is recomputed in backward, not saved), and for
+    recompute_mlp_act (default True: the MLP GELU output is recomputed in backward, not saved), fused_mlp_act
+    (default False: without gradients, fc1 and GELU in one kernel on CUDA; kernels.linear_gelu), and for
     Swin V2 (``swinv2_*``) pretrained_window_sizes (one per stage; 0: the stage's own window).
     ``pretrained``: a checkpoint file (timm, official Microsoft or ours), or ``timm:<name.tag>``.
     """

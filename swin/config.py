@@ -191,6 +191,7 @@ class GridRow:
     attention: str = MISSING
     compile: list[bool] = field(default_factory=lambda: [False])
     compile_mode: str | None = None  # None: the benchmark's compile_mode
+    fused_mlp_act: bool = False  # ours only: fc1 + GELU in one kernel without gradients (kernels.linear_gelu)
 
 
 @dataclass

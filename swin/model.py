@@ -147,6 +147,7 @@ class SwinTransformerBlock(nn.Module):
         super().__init__()
         self.feat_size = feat_size
         self.recompute_mlp_act = recompute_mlp_act
+        self.fused_mlp_act = False  # SwinTransformer.set_fused_mlp_act
         self.post_norm = version == 2
         target_shift = tuple(w // 2 for w in window_size) if shift else (0, 0)
         # window and shift are fixed at construction from the nominal feature size (timm semantics)
@@ -181,6 +182,10 @@ class SwinTransformerBlock(nn.Module):
         return x + self.drop_path2(self._mlp(self.norm2(x)))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_mlp_act and not torch.is_grad_enabled():
+            from kernels.linear_gelu import linear_gelu, supported
+            if supported(x):
+                return self._mlp_out(linear_gelu(x, self.mlp.fc1.weight, self.mlp.fc1.bias))
         hidden = self.mlp.fc1(x)
         if self.recompute_mlp_act and torch.is_grad_enabled() and hidden.requires_grad:
             # Keep only fc1's output for backward and recompute GELU from it, instead of keeping both: the
@@ -190,8 +195,11 @@ class SwinTransformerBlock(nn.Module):
         return self._mlp_tail(hidden)
 
     def _mlp_tail(self, hidden: torch.Tensor) -> torch.Tensor:
-        mlp = self.mlp  # timm's Mlp after fc1
-        return mlp.drop2(mlp.fc2(mlp.norm(mlp.drop1(mlp.act(hidden)))))
+        return self._mlp_out(self.mlp.act(hidden))
+
+    def _mlp_out(self, activation: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp  # timm's Mlp after its activation
+        return mlp.drop2(mlp.fc2(mlp.norm(mlp.drop1(activation))))
 
 
 class PatchMerging(nn.Module):
@@ -288,6 +296,7 @@ class SwinTransformer(nn.Module):
         recompute_mlp_act: bool = True,
         version: int = 1,
         pretrained_window_sizes: Sequence[int | tuple[int, int]] | None = None,
+        fused_mlp_act: bool = False,
     ):
         super().__init__()
         if len(depths) != len(num_heads):
@@ -338,6 +347,7 @@ class SwinTransformer(nn.Module):
         self.head = ClassifierHead(self.num_features, num_classes, pool_type="avg", drop_rate=drop_rate,
                                    input_fmt="NHWC")
         self.apply(_init_weights)
+        self.set_fused_mlp_act(fused_mlp_act)
         if version == 2:  # timm's res-post-norm init: every block starts as the identity
             for block in (b for stage in self.layers for b in stage.blocks):
                 for norm in (block.norm1, block.norm2):
@@ -355,6 +365,15 @@ class SwinTransformer(nn.Module):
         for module in self.modules():
             if isinstance(module, WindowAttentionBase):
                 module.set_attention(name)
+        return self
+
+    def set_fused_mlp_act(self, enabled: bool) -> SwinTransformer:
+        """Without gradients (evaluation, inference), compute each MLP's fc1 and GELU in one kernel
+        (kernels.linear_gelu: no stand-alone GELU pass over the hidden activation) where it runs (CUDA). Training
+        steps are unaffected."""
+        for module in self.modules():
+            if isinstance(module, SwinTransformerBlock):
+                module.fused_mlp_act = bool(enabled)
         return self
 
     # --- timm-style helpers used by training and fine-tuning ----------------------------------

@@ -101,6 +101,28 @@ def test_benchmark_swinv2_rows_against_timm_v2(tmp_path):
     assert isinstance(create_model(RowSpec("timm", "math", False, 2, "fp32"), "swinv2_micro", {}), SwinTransformerV2)
 
 
+def test_benchmark_fused_gelu_rows(tmp_path):
+    """grid rows with fused_mlp_act: ours built with it (kernels.linear_gelu in the interpreter here), labelled in the
+    tables; a timm row cannot take it."""
+    out = tmp_path / "bench"
+    rows = "[{impl:ours,attention:standard,fused_mlp_act:true},{impl:ours,attention:standard}]"
+    run_script([str(ROOT / "scripts/benchmark.py"), "model=swin_micro", "device=cpu", "grid=smoke",
+                f"grid.rows={rows}", "grid.batch_size=[2]", "steps.warmup=1", "steps.timed=1", "steps.repeats=1",
+                f"out_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=tmp_path)
+    fused, plain = json.loads((out / "benchmark.json").read_text())["rows"]
+    assert fused["fused_mlp_act"] and not plain["fused_mlp_act"]
+    assert positive(fused["infer_img_s"]) and positive(fused["train_img_s"])
+    assert "| ours +fused GELU | standard | no | 2 | fp32 |" in (out / "benchmark.md").read_text()
+
+    from omegaconf import OmegaConf
+
+    from scripts.benchmark import expand_grid
+    grid = OmegaConf.create({"batch_size": [2], "precision": ["fp32"],
+                             "rows": [{"impl": "timm", "attention": "sdpa", "fused_mlp_act": True}]})
+    with pytest.raises(ValueError, match="fused_mlp_act is a setting of ours"):
+        expand_grid(grid)
+
+
 @pytest.mark.parametrize("grid", sorted(p.stem for p in (ROOT / "configs/grid").glob("*.yaml")))
 def test_every_grid_config_expands(grid):
     """Each configs/grid/ entry composes with configs/benchmark.yaml and expands into valid rows."""
