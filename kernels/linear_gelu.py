@@ -43,12 +43,16 @@ def linear_gelu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx_m, sx_k, sw_n, sw
     group_m = min(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_m
     pid_n = (pid % per_group) // group_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # the row block's base as a 64-bit scalar, 32-bit offsets within it (fewer registers than 64-bit tiles)
+    row0 = (pid_m * BLOCK_M).to(tl.int64)
+    x_ptr += row0 * sx_m
+    y_ptr += row0 * sy_m
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    rows = offs_m < M
+    rows = offs_m < M - row0
     cols = offs_n < N
-    x_tile = x_ptr + offs_m.to(tl.int64)[:, None] * sx_m + offs_k[None, :] * sx_k
+    x_tile = x_ptr + offs_m[:, None] * sx_m + offs_k[None, :] * sx_k
     w_tile = w_ptr + offs_n[None, :] * sw_n + offs_k[:, None] * sw_k  # (BLOCK_K, BLOCK_N) of W^T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -61,7 +65,7 @@ def linear_gelu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx_m, sx_k, sw_n, sw
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=cols, other=0.0).to(tl.float32)[None, :]
     y = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))  # exact GELU, as nn.GELU()
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * sy_m + offs_n[None, :] * sy_n
+    y_ptrs = y_ptr + offs_m[:, None] * sy_m + offs_n[None, :] * sy_n
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=rows[:, None] & cols[None, :])
 
 
@@ -71,7 +75,7 @@ def _config(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype) ->
         cfg = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=4, num_warps=4, num_stages=1)
     else:
         cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64 if k % 64 == 0 else 32, GROUP_M=8, num_warps=8,
-                   num_stages=3)
+                   num_stages=3 if dtype != torch.float32 else 2)
     cfg = {key: int(os.environ.get(f"SWIN_LG_{key.upper()}", v)) for key, v in cfg.items()}
     # fp32 inputs: three tf32 products per product, about fp32 accuracy on tensor cores
     cfg["PRECISION"] = "tf32x3" if dtype == torch.float32 and device.type == "cuda" else (
