@@ -5,7 +5,7 @@ Two ops, both ``torch.library.triton_op`` with autograd, so they run inside
 inductor inlines the kernel launches (through ``wrap_triton``) and the small torch ops around them
 into its generated code, instead of calling back into this Python glue on every step (which made a
 compiled training step host-bound). Under the Triton interpreter (CPU) they are opaque custom ops
-instead (see ``_kernel_op``), so compiled models still compute the right numbers there:
+instead (see ``kernels.ops.kernel_op``), so compiled models still compute the right numbers there:
 
 * ``flash_window_attention(q, k, v, bias, mask, grid_size, scale)``: window layout, q/k/v of shape
   (B * num_windows, heads, L, head_dim), windows of each image in row-major order over a grid_size
@@ -32,19 +32,16 @@ import os
 
 import torch
 import triton
-from torch._subclasses.fake_tensor import is_fake
-from torch.library import custom_op, triton_op, wrap_triton
 
 from .flash_window_triton import bias_tiles_kernel, window_attn_bwd_kernel, window_attn_fwd_kernel
+from .ops import interpreting as _interpreting
+from .ops import kernel_op as _kernel_op
+from .ops import launch as _launch
 
 MAX_WINDOW_AREA = 256   # the L x L score tile must fit on chip (16 x 16 windows)
 MAX_HEAD_DIM = 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASK_CLASSES = 4        # interior, last column, last row, last window
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def unsupported_reason(x: torch.Tensor, window_area: int, head_dim: int) -> str | None:
@@ -192,35 +189,6 @@ def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, cfg: dict) -> tor
     _launch(bias_tiles_kernel, (classes * heads, cfg["NUM_M"]), bias, *bias.stride(), mask_arg, tiles, area, heads,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_M=cfg["NUM_M"], MASKED=mask is not None)
     return tiles
-
-
-def _launch(kernel, grid: tuple[int], *args, **keywords):
-    """Launches a kernel through wrap_triton, so torch.compile sees (and inlines) the launch; directly
-    under the Triton interpreter."""
-    if _interpreting():
-        # the interpreter runs the kernel as Python on real tensors; fake tensors (the ops' shape
-        # functions, see _kernel_op) have no data to run it on
-        if any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
-            return None
-        return kernel[grid](*args, **keywords)
-    return wrap_triton(kernel)[grid](*args, **keywords)
-
-
-def _kernel_op(name: str):
-    """A ``triton_op``: torch.compile traces into its body and inlines the kernel launches.
-
-    Under TRITON_INTERPRET a kernel is plain Python that compile cannot trace, so the op is an opaque
-    ``custom_op`` there (the body, which skips launches on fake tensors, is its shape function); tracing
-    into it would record the output allocation without the kernel that fills it.
-    """
-    if not _interpreting():
-        return triton_op(name, mutates_args=())
-
-    def register(fn):
-        op = custom_op(name, fn, mutates_args=())
-        op.register_fake(fn)
-        return op
-    return register
 
 
 def _report(kernel, cfg: dict) -> None:

@@ -15,19 +15,15 @@ import os
 import torch
 import triton
 import triton.language as tl
-from torch._subclasses.fake_tensor import is_fake
-from torch.library import custom_op, triton_op, wrap_triton
+
+from .ops import interpreting, kernel_op, launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def supported(x: torch.Tensor) -> bool:
     """Whether linear_gelu runs on x's device (CUDA, or the CPU under the Triton interpreter)."""
-    return x.is_cuda or _interpreting()
+    return x.is_cuda or interpreting()
 
 
 @triton.jit
@@ -83,20 +79,7 @@ def _config(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype) ->
     return cfg
 
 
-def _op(name: str):
-    """As kernels.flash_window._kernel_op: a triton_op (compile inlines the launch), an opaque custom_op under the
-    interpreter."""
-    if not _interpreting():
-        return triton_op(name, mutates_args=())
-
-    def register(fn):
-        op = custom_op(name, fn, mutates_args=())
-        op.register_fake(fn)
-        return op
-    return register
-
-
-@_op("swin::linear_gelu")
+@kernel_op("swin::linear_gelu")
 def _linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     y = x.new_empty((rows.shape[0], weight.shape[0]))
@@ -106,12 +89,7 @@ def _linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     args = (rows, weight, bias if bias is not None else weight, y, m, n, k, *rows.stride(), *weight.stride(),
             *y.stride())
-    keywords = dict(HAS_BIAS=bias is not None, **cfg)
-    if _interpreting():
-        if not any(is_fake(t) for t in (rows, weight, y)):
-            linear_gelu_kernel[grid](*args, **keywords)
-    else:
-        wrap_triton(linear_gelu_kernel)[grid](*args, **keywords)
+    launch(linear_gelu_kernel, grid, *args, HAS_BIAS=bias is not None, **cfg)
     return y.view(*x.shape[:-1], n)
 
 

@@ -1,0 +1,42 @@
+"""How the kernels become PyTorch ops: torch.compile sees their launches on the GPU, the interpreter runs them on
+the CPU (TRITON_INTERPRET=1, for tests)."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.library import custom_op, triton_op, wrap_triton
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def launch(kernel, grid: tuple[int], *args, **keywords):
+    """Launches a kernel through wrap_triton, so torch.compile sees (and inlines) the launch; directly
+    under the Triton interpreter."""
+    if interpreting():
+        # the interpreter runs the kernel as Python on real tensors; fake tensors (the ops' shape
+        # functions, see kernel_op) have no data to run it on
+        if any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
+            return None
+        return kernel[grid](*args, **keywords)
+    return wrap_triton(kernel)[grid](*args, **keywords)
+
+
+def kernel_op(name: str):
+    """A ``triton_op``: torch.compile traces into its body and inlines the kernel launches.
+
+    Under TRITON_INTERPRET a kernel is plain Python that compile cannot trace, so the op is an opaque
+    ``custom_op`` there (the body, which skips launches on fake tensors, is its shape function); tracing
+    into it would record the output allocation without the kernel that fills it.
+    """
+    if not interpreting():
+        return triton_op(name, mutates_args=())
+
+    def register(fn):
+        op = custom_op(name, fn, mutates_args=())
+        op.register_fake(fn)
+        return op
+    return register
