@@ -4,8 +4,8 @@ The CPU path (timm's ``create_transform`` in the loader workers) transforms one 
 host draws every random choice of a batch at once (numpy, a generator seeded per batch): RandomResizedCrop boxes,
 flips, and for each image its RandAugment ops and magnitudes (or colour-jitter factors). The device then
 
-1. crops and resizes every decoded image to the model's size (one ``F.interpolate`` per image: the decoded
-   images have different sizes), antialiased as PIL resizes, rounded to uint8 as PIL stores it;
+1. crops and resizes every decoded image to the model's size (the images have different sizes: two kernel
+   launches for the batch, kernels.crop_resize), antialiased as PIL resizes, rounded to uint8 as PIL stores it;
 2. flips the selected images of the uint8 batch;
 3. runs each augmentation layer over the whole batch: the batch is reordered so that the images drawing the same
    op are contiguous, and each op runs once on its slice with per-image arguments (one grid_sample for all
@@ -412,7 +412,14 @@ def apply_op(op: int, x: torch.Tensor, a: torch.Tensor, consts: dict[str, torch.
 def resized_crops(images: Sequence[torch.Tensor], boxes: np.ndarray, modes: np.ndarray,
                   size: tuple[int, int]) -> torch.Tensor:
     """Crop ``boxes`` (top, left, height, width) out of each (3, H_i, W_i) uint8 image and resize to ``size``
-    (antialiased like PIL, except nearest): a (B, 3, *size) uint8 batch, rounded."""
+    (antialiased like PIL, except nearest): a (B, 3, *size) uint8 batch, rounded. On CUDA (and under the Triton
+    interpreter) two kernel launches for the whole batch (kernels.crop_resize); elsewhere one F.interpolate per
+    image, the same numbers."""
+    from kernels.crop_resize import crop_resize
+    from kernels.ops import interpreting
+    if images[0].is_cuda or interpreting():
+        return crop_resize(list(images), boxes, modes, size,
+                           meta_to_device=lambda meta: _to_device(meta, images[0].device))
     out = []
     for img, (top, left, h, w), m in zip(images, boxes.tolist(), modes.tolist()):
         crop = img[None, :, top:top + h, left:left + w].float()

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from _train_utils import DET, make_cfg, train_inprocess
 from conftest import RUN_SEED
 from PIL import Image
@@ -154,6 +155,37 @@ def test_training_crops_flips_and_normalisation_match_torchvision(photos, interp
         assert (diff > 1.5).float().mean() < 0.01
         unflipped = (got[k] - ref.flip(-1)).abs().mean() * STD_LEVELS
         assert unflipped > 5 * diff.mean() + 1  # the flip is seen: the other orientation is far off
+
+
+@pytest.mark.parametrize("size", [(48, 48), (40, 56)])
+def test_batched_crop_resize_matches_interpolate_per_image(photos, size):
+    """kernels.crop_resize (two launches for a batch of images of different sizes) against the path it replaced, one
+    F.interpolate per image (antialiased bilinear / bicubic, nearest-exact), rounded to uint8: downscaling by up to
+    ~8x, upscaling, a non-square output; equal but for rare 1-level rounding differences."""
+    from kernels.crop_resize import crop_resize
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rng = _rng()
+    sizes = rng.integers(30, 400, (len(photos), 2))
+    sizes[0] = (390, 370)  # cropped whole below: ~8x downscaling
+    images = [torch.from_numpy(np.asarray(p.resize((int(w), int(h)))).copy()).permute(2, 0, 1).to(device)
+              for p, (h, w) in zip(photos, sizes)]
+    boxes = []
+    for img in images:
+        height, width = img.shape[1:]
+        h, w = rng.integers(8, height + 1), rng.integers(8, width + 1)
+        boxes.append([rng.integers(0, height - h + 1), rng.integers(0, width - w + 1), h, w])
+    boxes, modes = np.array(boxes), rng.integers(0, 3, len(images))
+    boxes[0], boxes[1, 2:] = (0, 0, 390, 370), (8, 12)  # and upscaling
+    modes[:3] = [0, 1, 2]
+    got = crop_resize(images, boxes, modes, size)
+    for k, (img, (top, left, h, w), m) in enumerate(zip(images, boxes, modes)):
+        mode = ga.MODES[m]
+        nearest = mode == "nearest-exact"
+        want = F.interpolate(img[None, :, top:top + h, left:left + w].float(), size=size, mode=mode,
+                             antialias=not nearest, align_corners=None if nearest else False)
+        diff = _levels(got[k:k + 1], want.round().clamp(0, 255).to(torch.uint8))
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01, (k, mode, (h, w), diff.max())
+    assert (boxes[:, 2] > 4 * size[0]).any() and (boxes[:, 2] < size[0]).any()  # both directions seen
 
 
 # --- RandAugment --------------------------------------------------------------------------------------------
