@@ -39,7 +39,9 @@ def _filter(x, mode):
 @triton.jit
 def _taps(offs, n_in, n_out, mode):
     """(first tap, end, centre, 1 / stretch, scale) per output index: the input range each one reads."""
-    scale = n_in.to(tl.float32) / n_out
+    # round-to-nearest divisions (a plain fp32 `/` compiles to an approximate one on NVIDIA GPUs, and nearest-exact
+    # indices at even ratios, 448 -> 224, sit exactly on integers)
+    scale = tl.math.div_rn(n_in.to(tl.float32), n_out.to(tl.float32))
     stretch = tl.maximum(scale, 1.0)
     support = tl.where(mode == 1, 2.0, 1.0) * stretch
     centre = scale * (offs.to(tl.float32) + 0.5)
@@ -48,7 +50,7 @@ def _taps(offs, n_in, n_out, mode):
     nearest = tl.minimum(centre.to(tl.int32), n_in - 1)  # nearest-exact: floor(scale * (i + 0.5))
     first = tl.where(mode == 2, nearest, first)
     end = tl.where(mode == 2, nearest + 1, end)
-    return first, end, centre, 1.0 / stretch
+    return first, end, centre, tl.math.div_rn(1.0, stretch)
 
 
 @triton.jit
@@ -65,7 +67,7 @@ def crop_resize_rows_kernel(src_ptr, meta_ptr, rows_ptr, OUT_W, BLOCK_R: tl.cons
         j = tl.arange(0, BLOCK_W)
         live = (r < crop_h)[:, None] & (j < OUT_W)[None, :]
         first, end, centre, inv = _taps(j, crop_w, OUT_W, mode)
-        src = src_ptr + offset + channel * height * width + (top + r)[:, None] * width + left
+        src = src_ptr + offset + (channel * height).to(tl.int64) * width + (top + r)[:, None] * width + left
         acc = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
         total = tl.zeros((BLOCK_W,), dtype=tl.float32)
         for t in range(0, tl.max(tl.where(j < OUT_W, end - first, 0), 0)):
@@ -104,7 +106,7 @@ def crop_resize_cols_kernel(rows_ptr, meta_ptr, out_ptr, OUT_H, OUT_W, BLOCK_I: 
     down = tl.floor(value)
     frac = value - down  # round half to even, as torch.round
     value = down + tl.where(frac > 0.5, 1.0, tl.where(frac < 0.5, 0.0, down - 2.0 * tl.floor(down * 0.5)))
-    out = out_ptr + ((image * 3 + channel) * OUT_H + i)[:, None] * OUT_W + j[None, :]
+    out = out_ptr + (image * 3 + channel).to(tl.int64) * OUT_H * OUT_W + i[:, None] * OUT_W + j[None, :]
     tl.store(out, tl.minimum(tl.maximum(value, 0.0), 255.0).to(tl.uint8), mask=live)
 
 
@@ -115,9 +117,15 @@ def crop_resize(images: list[torch.Tensor], boxes: np.ndarray, modes: np.ndarray
     the images' device (default: a blocking copy)."""
     device, n = images[0].device, len(images)
     out_h, out_w = size
+    if any(img.dim() != 3 or img.shape[0] != 3 or img.dtype != torch.uint8 for img in images):
+        raise ValueError("crop_resize takes (3, H, W) uint8 images")
     heights = np.array([img.shape[1] for img in images], dtype=np.int64)
     widths = np.array([img.shape[2] for img in images], dtype=np.int64)
     boxes = np.asarray(boxes, dtype=np.int64).reshape(n, 4)
+    top, left, h, w = boxes.T
+    if (top < 0).any() or (left < 0).any() or (h < 1).any() or (w < 1).any() or (top + h > heights).any() \
+            or (left + w > widths).any():
+        raise ValueError("crop_resize: every box (top, left, height, width) must lie inside its image")
     pixels = 3 * heights * widths
     row_sizes = 3 * boxes[:, 2] * out_w
     meta = np.stack([np.cumsum(pixels) - pixels, heights, widths, boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3],

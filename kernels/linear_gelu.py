@@ -22,8 +22,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def supported(x: torch.Tensor) -> bool:
-    """Whether linear_gelu runs on x's device (CUDA, or the CPU under the Triton interpreter)."""
-    return x.is_cuda or interpreting()
+    """Whether linear_gelu takes x: on CUDA (or the CPU under the Triton interpreter), of a supported dtype."""
+    return (x.is_cuda or interpreting()) and x.dtype in SUPPORTED_DTYPES
 
 
 @triton.jit

@@ -536,6 +536,7 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
         row["timm_fused_attn"] = bool(getattr(model.layers[0].blocks[0].attn, "fused_attn", False))
     else:
         row["our_attention"] = model.attention
+        row["our_fused_mlp_act"] = all(b.fused_mlp_act for stage in model.layers for b in stage.blocks)
     row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
     mode = spec.compile_mode or cfg.compile_mode
     run = torch.compile(model, mode=mode, dynamic=False) if spec.compile else model

@@ -111,6 +111,7 @@ def test_benchmark_fused_gelu_rows(tmp_path):
                 f"out_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=tmp_path)
     fused, plain = json.loads((out / "benchmark.json").read_text())["rows"]
     assert fused["fused_mlp_act"] and not plain["fused_mlp_act"]
+    assert fused["our_fused_mlp_act"] and not plain["our_fused_mlp_act"]  # what the built model does
     assert positive(fused["infer_img_s"]) and positive(fused["train_img_s"])
     assert "| ours +fused GELU | standard | no | 2 | fp32 |" in (out / "benchmark.md").read_text()
 

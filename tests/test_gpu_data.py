@@ -157,7 +157,7 @@ def test_training_crops_flips_and_normalisation_match_torchvision(photos, interp
         assert unflipped > 5 * diff.mean() + 1  # the flip is seen: the other orientation is far off
 
 
-@pytest.mark.parametrize("size", [(48, 48), (40, 56)])
+@pytest.mark.parametrize("size", [(48, 48), (20, 130)])
 def test_batched_crop_resize_matches_interpolate_per_image(photos, size):
     """kernels.crop_resize (two launches for a batch of images of different sizes) against the path it replaced, one
     F.interpolate per image (antialiased bilinear / bicubic, nearest-exact), rounded to uint8: downscaling by up to
@@ -186,6 +186,22 @@ def test_batched_crop_resize_matches_interpolate_per_image(photos, size):
         diff = _levels(got[k:k + 1], want.round().clamp(0, 255).to(torch.uint8))
         assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01, (k, mode, (h, w), diff.max())
     assert (boxes[:, 2] > 4 * size[0]).any() and (boxes[:, 2] < size[0]).any()  # both directions seen
+
+
+def test_batched_crop_resize_rounds_half_to_even_and_checks_boxes():
+    """Two equal taps make exact halves: 1.5 -> 2, 2.5 -> 2, 3.5 -> 4 (torch.round, as the per-image path); nearest
+    at an even ratio takes pixel floor(2 (i + 0.5)) = 2i + 1; a box outside its image is refused."""
+    from kernels.crop_resize import crop_resize
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pairs = [torch.tensor([a, a + 1], dtype=torch.uint8, device=device).view(1, 1, 2).expand(3, 1, 2).contiguous()
+             for a in (1, 2, 3)]
+    got = crop_resize(pairs, np.array([[0, 0, 1, 2]] * 3), np.zeros(3, dtype=np.int64), (1, 1))
+    assert got[:, 0, 0, 0].tolist() == [2, 2, 4]
+    ramp = torch.arange(8, dtype=torch.uint8, device=device).repeat(3, 8, 1)  # (3, 8, 8), value = column
+    got = crop_resize([ramp], np.array([[0, 0, 8, 8]]), np.array([2]), (4, 4))
+    assert got[0, 0, 0].tolist() == [1, 3, 5, 7]
+    with pytest.raises(ValueError, match="must lie inside its image"):
+        crop_resize([ramp], np.array([[2, 0, 8, 8]]), np.array([0]), (4, 4))
 
 
 # --- RandAugment --------------------------------------------------------------------------------------------

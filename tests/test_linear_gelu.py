@@ -19,6 +19,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     ((2, 37, 96), 384, True, torch.float32),   # rows and columns not multiples of the tiles, K of Swin's stage 1
     ((50, 40), 33, False, torch.float16),      # K not a multiple of the K tile, no bias
     ((3, 5, 7, 24), 96, True, torch.float32),  # NHWC features, as the blocks pass them
+    ((300, 24), 20, True, torch.float32),      # more row blocks than a group, fewer columns than a tile
+    ((1100, 64), 40, True, torch.float16),     # on the GPU: a row block past the first (the 64-bit row base)
 ])
 def test_matches_float64_gelu_of_linear(shape, out_features, bias, dtype):
     x = torch.randn(*shape, device=DEVICE, dtype=dtype)
