@@ -54,6 +54,15 @@ def _taps(offs, n_in, n_out, mode):
 
 
 @triton.jit
+def _tap(t, first, end, centre, inv, mode):
+    """Tap t of each output index: (input position, whether it is a tap, its weight before normalising)."""
+    pos = first + t
+    inside = pos < end
+    weight = tl.where(mode == 2, 1.0, _filter((pos.to(tl.float32) - centre + 0.5) * inv, mode))
+    return pos, inside, tl.where(inside, weight, 0.0)
+
+
+@triton.jit
 def crop_resize_rows_kernel(src_ptr, meta_ptr, rows_ptr, OUT_W, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """rows[image, channel, crop row, j]: the crop's rows resized to OUT_W columns (fp32, not rounded)."""
     image, channel = tl.program_id(0) // 3, tl.program_id(0) % 3
@@ -71,10 +80,8 @@ def crop_resize_rows_kernel(src_ptr, meta_ptr, rows_ptr, OUT_W, BLOCK_R: tl.cons
         acc = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
         total = tl.zeros((BLOCK_W,), dtype=tl.float32)
         for t in range(0, tl.max(tl.where(j < OUT_W, end - first, 0), 0)):
-            x = first + t
-            w = tl.where(x < end, _filter((x.to(tl.float32) - centre + 0.5) * inv, mode), 0.0)
-            w = tl.where(mode == 2, tl.where(x < end, 1.0, 0.0), w)
-            pixels = tl.load(src + x[None, :], mask=live & (x < end)[None, :], other=0)
+            x, inside, w = _tap(t, first, end, centre, inv, mode)
+            pixels = tl.load(src + x[None, :], mask=live & inside[None, :], other=0)
             acc += w[None, :] * pixels.to(tl.float32)
             total += w
         out = rows_ptr + rows_offset + (channel * crop_h + r)[:, None] * OUT_W + j[None, :]
@@ -96,10 +103,8 @@ def crop_resize_cols_kernel(rows_ptr, meta_ptr, out_ptr, OUT_H, OUT_W, BLOCK_I: 
     acc = tl.zeros((BLOCK_I, BLOCK_W), dtype=tl.float32)
     total = tl.zeros((BLOCK_I,), dtype=tl.float32)
     for t in range(0, tl.max(tl.where(i < OUT_H, end - first, 0), 0)):
-        y = first + t
-        w = tl.where(y < end, _filter((y.to(tl.float32) - centre + 0.5) * inv, mode), 0.0)
-        w = tl.where(mode == 2, tl.where(y < end, 1.0, 0.0), w)
-        values = tl.load(src + y[:, None] * OUT_W, mask=live & (y < end)[:, None], other=0.0)
+        y, inside, w = _tap(t, first, end, centre, inv, mode)
+        values = tl.load(src + y[:, None] * OUT_W, mask=live & inside[:, None], other=0.0)
         acc += w[:, None] * values
         total += w
     value = acc / tl.where(total > 0, total, 1.0)[:, None]
