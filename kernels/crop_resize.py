@@ -21,8 +21,9 @@ import triton.language as tl
 
 from .ops import launch
 
-BILINEAR, BICUBIC, NEAREST = 0, 1, 2  # per-image mode ids (swin.gpu_augment.MODES order)
-META = 9  # int64 per image: offset, H, W, top, left, crop h, crop w, mode, offset in the row buffer
+# per-image mode ids (swin.gpu_augment.MODES order)
+BILINEAR, BICUBIC, NEAREST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+META = tl.constexpr(9)  # int64 per image: offset, H, W, top, left, crop h, crop w, mode, offset in the row buffer
 
 
 @triton.jit
@@ -33,23 +34,23 @@ def _filter(x, mode):
     cubic = tl.where(x < 1.0, ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0,
                      tl.where(x < 2.0, (((x - 5.0) * x + 8.0) * x - 4.0) * a, 0.0))
     triangle = tl.maximum(1.0 - x, 0.0)
-    return tl.where(mode == 1, cubic, triangle)
+    return tl.where(mode == BICUBIC, cubic, triangle)
 
 
 @triton.jit
 def _taps(offs, n_in, n_out, mode):
-    """(first tap, end, centre, 1 / stretch, scale) per output index: the input range each one reads."""
+    """(first tap, end, centre, 1 / stretch) per output index: the input range each one reads, and how to weigh it."""
     # round-to-nearest divisions (a plain fp32 `/` compiles to an approximate one on NVIDIA GPUs, and nearest-exact
     # indices at even ratios, 448 -> 224, sit exactly on integers)
     scale = tl.math.div_rn(n_in.to(tl.float32), n_out.to(tl.float32))
     stretch = tl.maximum(scale, 1.0)
-    support = tl.where(mode == 1, 2.0, 1.0) * stretch
+    support = tl.where(mode == BICUBIC, 2.0, 1.0) * stretch
     centre = scale * (offs.to(tl.float32) + 0.5)
     first = tl.maximum((centre - support + 0.5).to(tl.int32), 0)  # float -> int truncates, as the C++ kernels
     end = tl.minimum((centre + support + 0.5).to(tl.int32), n_in)
     nearest = tl.minimum(centre.to(tl.int32), n_in - 1)  # nearest-exact: floor(scale * (i + 0.5))
-    first = tl.where(mode == 2, nearest, first)
-    end = tl.where(mode == 2, nearest + 1, end)
+    first = tl.where(mode == NEAREST, nearest, first)
+    end = tl.where(mode == NEAREST, nearest + 1, end)
     return first, end, centre, tl.math.div_rn(1.0, stretch)
 
 
@@ -58,7 +59,7 @@ def _tap(t, first, end, centre, inv, mode):
     """Tap t of each output index: (input position, whether it is a tap, its weight before normalising)."""
     pos = first + t
     inside = pos < end
-    weight = tl.where(mode == 2, 1.0, _filter((pos.to(tl.float32) - centre + 0.5) * inv, mode))
+    weight = tl.where(mode == NEAREST, 1.0, _filter((pos.to(tl.float32) - centre + 0.5) * inv, mode))
     return pos, inside, tl.where(inside, weight, 0.0)
 
 
@@ -66,7 +67,7 @@ def _tap(t, first, end, centre, inv, mode):
 def crop_resize_rows_kernel(src_ptr, meta_ptr, rows_ptr, OUT_W, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """rows[image, channel, crop row, j]: the crop's rows resized to OUT_W columns (fp32, not rounded)."""
     image, channel = tl.program_id(0) // 3, tl.program_id(0) % 3
-    meta = meta_ptr + image * 9  # META columns
+    meta = meta_ptr + image * META
     offset, height, width = tl.load(meta), tl.load(meta + 1).to(tl.int32), tl.load(meta + 2).to(tl.int32)
     top, left = tl.load(meta + 3).to(tl.int32), tl.load(meta + 4).to(tl.int32)
     crop_h, crop_w = tl.load(meta + 5).to(tl.int32), tl.load(meta + 6).to(tl.int32)
@@ -93,7 +94,7 @@ def crop_resize_cols_kernel(rows_ptr, meta_ptr, out_ptr, OUT_H, OUT_W, BLOCK_I: 
                             BLOCK_W: tl.constexpr):
     """out[image, channel, i, j]: the row buffer resized to OUT_H rows, rounded and clamped to uint8."""
     image, channel = tl.program_id(0) // 3, tl.program_id(0) % 3
-    meta = meta_ptr + image * 9
+    meta = meta_ptr + image * META
     crop_h, mode, rows_offset = tl.load(meta + 5).to(tl.int32), tl.load(meta + 7).to(tl.int32), tl.load(meta + 8)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     j = tl.arange(0, BLOCK_W)
@@ -135,7 +136,7 @@ def crop_resize(images: list[torch.Tensor], boxes: np.ndarray, modes: np.ndarray
     row_sizes = 3 * boxes[:, 2] * out_w
     meta = np.stack([np.cumsum(pixels) - pixels, heights, widths, boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3],
                      np.asarray(modes, dtype=np.int64), np.cumsum(row_sizes) - row_sizes], axis=1)
-    meta = np.ascontiguousarray(meta)
+    assert meta.shape[1] == META
     meta_t = meta_to_device(meta) if meta_to_device else torch.from_numpy(meta).to(device)
     src = torch.cat([img.reshape(-1) for img in images])
     rows = torch.empty(int(row_sizes.sum()), dtype=torch.float32, device=device)

@@ -266,9 +266,9 @@ def _window_op_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
     dqkv = q.new_empty((3, *q.shape))
     bw, heads, area, head_dim = q.shape
-    dbias, _, _ = _backward(q, k, v, 0, _window_strides(q), grad_out, _window_strides(grad_out), dqkv, dqkv.stride(0),
-                         _window_strides(dqkv), heads, head_dim, bias, mask, None,
-                         _window_geometry(bw, area, grid), scale)
+    dbias, _, _ = _backward(q, k, v, 0, _window_strides(q), grad_out, _window_strides(grad_out), dqkv,
+                            dqkv.stride(0), _window_strides(dqkv), heads, head_dim, bias, mask, None,
+                            _window_geometry(bw, area, grid), scale)
     return dqkv, dbias
 
 

@@ -8,9 +8,9 @@ not in the training process: nvJPEG's Huffman stage runs on the calling CPU thre
 hundreds of small kernels (now two launches: kernels.crop_resize), ~45 ms of host time per batch of 128 (H100 host,
 docs/benchmarks.md, measured before that change); in the training process that time shares the GIL with the
 training loop (measured: training at 0.49x of its speed on synthetic data) and one process decodes at most
-~6,400 img/s however many threads it uses. Each worker has its own CUDA
-context (spawned, as CUDA requires); the batch comes back through host memory (19 MB per 128 images at 224, a few
-ms of PCIe per batch) because a CUDA tensor shared across processes synchronises its receiver when freed.
+~6,400 img/s however many threads it uses. Each worker has its own CUDA context (spawned, as CUDA requires); the
+batch comes back through host memory (19 MB per 128 images at 224, a few ms of PCIe per batch) because a CUDA
+tensor shared across processes synchronises its receiver when freed.
 
 Pieces, in the order a batch meets them (all in a worker process; in the training process with num_workers=0):
 
