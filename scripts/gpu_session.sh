@@ -103,6 +103,8 @@ case "${1:-}" in
     # started after DATA_BUDGET_S are skipped; a running train.py/eval.py is stopped at the budget); ~6-7 min expected
     timeout 90 python -m pytest -q -m gpu --durations=5 tests/test_gpu_data.py tests/test_data.py 2>&1 \
       | tee "$OUT/gpu_data_tests.txt"
+    # the batched crop kernel on CUDA (its CPU tests run it in the interpreter; the pipeline uses it only once these pass)
+    timeout 60 python -m pytest -q -k crop_resize tests/test_gpu_data.py 2>&1 | tee -a "$OUT/gpu_data_tests.txt"
     # run dirs (checkpoints) stay in /tmp; their summary.json and train.log are copied to $OUT/data/runs
     R=/tmp/bench_data; rm -rf "$R/runs"
     timeout 470 python scripts/bench_data.py out_dir="$OUT/data" runs_dir="$R/runs" generate.dir="$R/fakenet" \
