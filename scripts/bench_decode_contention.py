@@ -115,11 +115,14 @@ def beside_processes(jpegs: list[bytes], graph, processes: int, seconds: float, 
     return ms, rate
 
 
-def beside_threads(jpegs: list[bytes], graph, threads: int, seconds: float, batch: int) -> tuple[float, float]:
+def beside_threads(jpegs: list[bytes], graph, threads: int, seconds: float, batch: int,
+                   priority: int = 0) -> tuple[float, float]:
+    """priority -1: the threads' streams outrank the step's (the block scheduler then runs their kernels between
+    the step's instead of after a queue of them)."""
     stop, counts = threading.Event(), [0] * threads
 
     def loop(i: int) -> None:
-        one_batch, stream = pipeline(jpegs, to_host=False), torch.cuda.Stream()
+        one_batch, stream = pipeline(jpegs, to_host=False), torch.cuda.Stream(priority=priority)
         with torch.cuda.stream(stream):
             while not stop.is_set():
                 one_batch()
@@ -143,7 +146,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jpegs", type=int, default=128, help="images per batch")
     parser.add_argument("--seconds", type=float, default=6.0, help="timed seconds per row")
-    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--processes", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
     jpegs = make_jpegs(args.jpegs)
@@ -156,9 +159,11 @@ def main() -> None:
     for n in args.processes:
         ms, rate = beside_processes(jpegs, graph, n, args.seconds, args.jpegs)
         print(f"| {n} worker processes | {ms:.2f} | {ms / alone:.2f} | {rate:,.0f} |", flush=True)
-    for n in args.threads:
-        ms, rate = beside_threads(jpegs, graph, n, args.seconds, args.jpegs)
-        print(f"| {n} threads of this process | {ms:.2f} | {ms / alone:.2f} | {rate:,.0f} |", flush=True)
+    for priority in (0, -1):
+        for n in args.threads:
+            ms, rate = beside_threads(jpegs, graph, n, args.seconds, args.jpegs, priority)
+            kind = "high-priority streams" if priority else "default-priority streams"
+            print(f"| {n} threads of this process, {kind} | {ms:.2f} | {ms / alone:.2f} | {rate:,.0f} |", flush=True)
 
 
 if __name__ == "__main__":

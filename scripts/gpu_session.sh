@@ -16,7 +16,8 @@
 #                                         # scripts/bench_data.py on a generated ImageNet-shaped folder: loader img/s
 #                                         # (CPU workers 1/4/all, nvJPEG), train.py with each and on synthetic data,
 #                                         # eval.py top-1 with each decode path; table in $OUT/data/bench_data.md
-#   bash scripts/gpu_session.sh contention  # GPU decoding in worker processes vs threads beside a CUDA-graph step
+#   bash scripts/gpu_session.sh contention  # GPU decoding in worker processes vs threads (default- and high-priority
+#                                         # streams) beside a CUDA-graph step; CONTENTION_ARGS="--processes": threads only
 #                                         # (scripts/bench_decode_contention.py, ~3 min)
 #   bash scripts/gpu_session.sh nvjpeg-hw # the GPU's hardware JPEG decoders through nvJPEG (ctypes): rate, host time,
 #                                         # pixels, step time beside them (scripts/probe_nvjpeg_hardware.py, ~2 min)
@@ -95,7 +96,7 @@ case "${1:-}" in
     done
     python scripts/loop_report.py "$OUT" | tee "$OUT/loop.md" ;;
   contention)
-    python scripts/bench_decode_contention.py 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
+    python scripts/bench_decode_contention.py ${CONTENTION_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
   nvjpeg-hw)
     python scripts/probe_nvjpeg_hardware.py 2>&1 | grep -v Warning | tee "$OUT/nvjpeg_hw.md" ;;
   data)

@@ -207,11 +207,13 @@ def main() -> None:
     alone = step_ms(graph, args.seconds)
     print("\n| beside the step | step ms | x step alone | decode img/s |\n|---|---|---|---|")
     print(f"| nothing | {alone:.2f} | 1.00 | - |")
-    for threads in (1, 2):
-        ms, r = beside(graph, lambda: BatchedDecoder(lib, BACKEND_HARDWARE, args.jpegs), main_files, sizes,
-                       threads, args.seconds)
-        print(f"| {threads} thread(s) decoding with the engines | {ms:.2f} | {ms / alone:.2f} | {r:,.0f} |",
-              flush=True)
+    for priority in (0, -1):
+        for threads in (1, 2):
+            ms, r = beside(graph, lambda: BatchedDecoder(lib, BACKEND_HARDWARE, args.jpegs), main_files, sizes,
+                           threads, args.seconds, priority)
+            kind = "high" if priority else "default"
+            print(f"| {threads} thread(s) decoding with the engines, {kind}-priority streams | {ms:.2f} | "
+                  f"{ms / alone:.2f} | {r:,.0f} |", flush=True)
 
 
 def _luma(x: torch.Tensor) -> torch.Tensor:
@@ -219,13 +221,15 @@ def _luma(x: torch.Tensor) -> torch.Tensor:
     return 0.299 * r + 0.587 * g + 0.114 * b
 
 
-def beside(graph, make_decoder, files: list[bytes], sizes, threads: int, seconds: float) -> tuple[float, float]:
-    """Step time with `threads` threads decoding in a loop (each its own decoder and stream), and their img/s."""
+def beside(graph, make_decoder, files: list[bytes], sizes, threads: int, seconds: float,
+           priority: int = 0) -> tuple[float, float]:
+    """Step time with `threads` threads decoding in a loop (each its own decoder and stream of `priority`: -1
+    outranks the step's kernels), and their img/s."""
     from bench_decode_contention import step_ms
     stop, counts = threading.Event(), [0] * threads
 
     def loop(i: int) -> None:
-        decoder, stream = make_decoder(), torch.cuda.Stream()
+        decoder, stream = make_decoder(), torch.cuda.Stream(priority=priority)
         with torch.cuda.stream(stream):
             while not stop.is_set():
                 decoder(files, sizes)
