@@ -291,6 +291,9 @@ def window_attn_bwd_kernel(
             else:  # the program owns its slice: plain read-add-write, no atomics
                 ptrs = dbias_base + offs_m[:, None] * BLOCK_N + offs_n[None, :]
                 tl.store(ptrs, tl.load(ptrs) + ds)
+                # the next window's load may give an element to another thread than the one that stored it (the
+                # load's and the sum's layouts differ): a CTA barrier makes every store visible to the whole block
+                tl.debug_barrier()
         dk = dk * scale
         if COSINE:
             dk, _dots = _unnormalise_grad(dk, k_raw.to(tl.float32), inv_k, 1.0)
