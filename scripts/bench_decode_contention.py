@@ -9,7 +9,8 @@ Both cost the training step something, and this measures which costs less (issue
 The "training step" is a CUDA graph of GPU-bound matmuls and ~20 ms of mid-sized GEMM + GELU kernels (what a
 CUDA-graph Swin-T step looks like to the GPU: host-light). Rows: the step alone, beside 2/4/8 spawned processes that
 decode + augment batches in a loop (the way loader workers would, ending with the uint8 batch copied to the host),
-and beside 1/2 threads of this process doing the same. Columns: the step's time and the pipeline's img/s.
+the same processes decoding only, and beside 1/2 threads of this process decoding + augmenting on default- and on
+high-priority streams. Columns: the step's time and the pipeline's img/s.
 
     python scripts/bench_decode_contention.py [--jpegs 128] [--seconds 6]
 """
@@ -40,8 +41,9 @@ def make_jpegs(n: int) -> list[bytes]:
     return out
 
 
-def pipeline(jpegs: list[bytes], to_host: bool):
-    """One batch: nvJPEG decode, then the imagenet recipe's crop / flip / RandAugment on the GPU."""
+def pipeline(jpegs: list[bytes], to_host: bool, augment: bool = True):
+    """One batch: nvJPEG decode (the H100's JPEG engines), then the imagenet recipe's crop / flip / RandAugment on the
+    GPU; augment=False: the decoded images only (to the host: each of them)."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     from swin import gpu_augment as ga
@@ -50,15 +52,18 @@ def pipeline(jpegs: list[bytes], to_host: bool):
     transform, rng = ga.TrainTransform(spec), np.random.default_rng(0)
     blobs = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in jpegs]
 
-    def one_batch() -> torch.Tensor:
-        x = transform(decode_jpeg(blobs, mode=ImageReadMode.RGB, device="cuda"), rng)
+    def one_batch() -> torch.Tensor | list[torch.Tensor]:
+        images = decode_jpeg(blobs, mode=ImageReadMode.RGB, device="cuda")
+        if not augment:
+            return [img.cpu() for img in images] if to_host else images
+        x = transform(images, rng)
         return x.cpu() if to_host else x
     return one_batch
 
 
-def _worker(jpegs: list[bytes], stop, batches) -> None:
+def _worker(jpegs: list[bytes], stop, batches, augment: bool) -> None:
     torch.cuda.set_device(0)
-    one_batch = pipeline(jpegs, to_host=True)
+    one_batch = pipeline(jpegs, to_host=True, augment=augment)
     while not stop.is_set():
         one_batch()
         with batches.get_lock():
@@ -98,10 +103,13 @@ def step_ms(graph: torch.cuda.CUDAGraph, seconds: float) -> float:
     return (time.perf_counter() - start) / n * 1e3
 
 
-def beside_processes(jpegs: list[bytes], graph, processes: int, seconds: float, batch: int) -> tuple[float, float]:
+def beside_processes(jpegs: list[bytes], graph, processes: int, seconds: float, batch: int,
+                     augment: bool = True) -> tuple[float, float]:
+    """augment=False: the processes only decode (JPEG engines, few kernels of their own): does a context that
+    hardly uses the SMs still cost the step its time slices?"""
     ctx = mp.get_context("spawn")  # CUDA in a child needs spawn
     stop, batches = ctx.Event(), ctx.Value("i", 0)
-    procs = [ctx.Process(target=_worker, args=(jpegs, stop, batches)) for _ in range(processes)]
+    procs = [ctx.Process(target=_worker, args=(jpegs, stop, batches, augment)) for _ in range(processes)]
     for p in procs:
         p.start()
     while batches.value < 2 * processes:  # all started (import, CUDA context, first batches)
@@ -156,9 +164,11 @@ def main() -> None:
           f"{np.mean([len(j) for j in jpegs]) / 1e3:.0f} KB per batch\n")
     print("| decoding beside the step | step ms | x step alone | pipeline img/s |\n|---|---|---|---|")
     print(f"| none | {alone:.2f} | 1.00 | - |")
-    for n in args.processes:
-        ms, rate = beside_processes(jpegs, graph, n, args.seconds, args.jpegs)
-        print(f"| {n} worker processes | {ms:.2f} | {ms / alone:.2f} | {rate:,.0f} |", flush=True)
+    for augment in (True, False):
+        for n in args.processes:
+            ms, rate = beside_processes(jpegs, graph, n, args.seconds, args.jpegs, augment)
+            kind = "decode + augment" if augment else "decode only"
+            print(f"| {n} worker processes, {kind} | {ms:.2f} | {ms / alone:.2f} | {rate:,.0f} |", flush=True)
     for priority in (0, -1):
         for n in args.threads:
             ms, rate = beside_threads(jpegs, graph, n, args.seconds, args.jpegs, priority)
