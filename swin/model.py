@@ -9,6 +9,7 @@ patch merging that normalises after the reduction.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -126,7 +127,9 @@ class CosineWindowAttention(WindowAttentionBase):
         gradient summed over every window reaches it without bf16 roundings. (With a bf16 table, the compiled V2-T
         step on the H100 spent 1.8 of 19 ms in the kernels scattering the bias gradient into the table's.)"""
         weight = self.cpb_mlp[0].weight
-        with torch.autocast(weight.device.type, enabled=False):
+        device = weight.device.type
+        no_autocast = torch.autocast(device, enabled=False) if device in ("cuda", "cpu") else contextlib.nullcontext()
+        with no_autocast:
             return 16 * torch.sigmoid(self.cpb_mlp(self.relative_coords_table.to(weight.dtype)))
 
     def backend_inputs(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None

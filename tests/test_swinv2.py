@@ -144,6 +144,22 @@ SMALL = dict(img_size=64, window_size=4, embed_dim=16, depths=(2, 2, 2), num_hea
              drop_path_rate=0.0)
 
 
+def test_cpb_table_stays_fp32_under_autocast():
+    """The CPB MLP runs in fp32 under bf16 autocast (its bias gradient, summed over every window, reaches the MLP
+    without bf16 roundings): the table equals the fp32 one exactly, and its gradient arrives in fp32."""
+    model = randomised(swin.create_model(TINY, img_size=(64, 64), depths=(1, 1, 1, 1), window_size=4,
+                                         attention="sdpa"))
+    attn = model.layers[0].blocks[0].attn
+    reference = attn.bias_table()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        table = attn.bias_table()
+        out = model(torch.randn(2, 3, 64, 64))
+    assert table.dtype == torch.float32 and torch.equal(table, reference)
+    out.float().square().mean().backward()
+    grad = attn.cpb_mlp[2].weight.grad
+    assert grad.dtype == torch.float32 and grad.abs().sum() > 0
+
+
 def test_timm_checkpoint_loads_and_fine_tunes_at_another_window(tmp_path):
     """A state_dict of timm.create_model(swinv2_..., pretrained=False) loads into ours with timm's logits; at another
     window (and input size) it loads without resizing anything and gives what timm's own model gives there."""
