@@ -2,15 +2,14 @@
 (``torchvision.io.decode_jpeg(list, device="cuda")``) and augment them on the GPU (swin.gpu_augment); the training
 process receives uint8 batches like those of CPU decoding and normalises them on the device (swin.data.DeviceLoader).
 
-Why: per image, PIL decoding a ~110 KB JPEG plus RandomResizedCrop and RandAugment costs several milliseconds of
-CPU time, so 16 cores feed ~2,000 img/s while Swin-T trains at 5,000+ img/s on one H100. Why in the workers and
-not in the training process: nvJPEG's Huffman stage runs on the calling CPU thread and the per-image crops launched
-hundreds of small kernels, ~45 ms of host time per batch of 128 (H100 host,
-docs/benchmarks.md); in the training process that time shares the GIL with the
-training loop (measured: training at 0.49x of its speed on synthetic data) and one process decodes at most
-~6,400 img/s however many threads it uses. Each worker has its own CUDA context (spawned, as CUDA requires); the
-batch comes back through host memory (19 MB per 128 images at 224, a few ms of PCIe per batch) because a CUDA
-tensor shared across processes synchronises its receiver when freed.
+Why: per image, PIL decoding a ~110 KB JPEG plus RandomResizedCrop and RandAugment costs several milliseconds of CPU
+time, so 16 cores feed ~2,000 img/s while Swin-T trains at 5,000+ img/s on one H100. Why in the workers and not in
+the training process: nvJPEG's Huffman stage runs on the calling CPU thread and the per-image crops launch hundreds
+of small kernels, ~45 ms of host time per batch of 128 (H100 host, docs/benchmarks.md); in the training process that
+time shares the GIL with the training loop (measured: training at 0.49x of its speed on synthetic data) and one
+process decodes at most ~6,400 img/s however many threads it uses. Each worker has its own CUDA context (spawned, as
+CUDA requires); the batch comes back through host memory (19 MB per 128 images at 224, a few ms of PCIe per batch)
+because a CUDA tensor shared across processes synchronises its receiver when freed.
 
 Pieces, in the order a batch meets them (all in a worker process; in the training process with num_workers=0):
 
