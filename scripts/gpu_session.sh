@@ -16,6 +16,7 @@
 #                                         # scripts/bench_data.py on a generated ImageNet-shaped folder: loader img/s
 #                                         # (CPU workers 1/4/all, nvJPEG), train.py with each and on synthetic data,
 #                                         # eval.py top-1 with each decode path; table in $OUT/data/bench_data.md
+#                                         # (DATA_ARGS: more overrides, e.g. "loader.cpu_workers=[16] loader.gpu_workers=[8]")
 #   bash scripts/gpu_session.sh contention  # GPU decoding in worker processes vs threads (default- and high-priority
 #                                         # streams) beside a CUDA-graph step; CONTENTION_ARGS="--processes": threads only
 #                                         # (scripts/bench_decode_contention.py, ~3 min)
@@ -109,7 +110,7 @@ case "${1:-}" in
     # run dirs (checkpoints) stay in /tmp; their summary.json and train.log are copied to $OUT/data/runs
     R=/tmp/bench_data; rm -rf "$R/runs"
     timeout 470 python scripts/bench_data.py out_dir="$OUT/data" runs_dir="$R/runs" generate.dir="$R/fakenet" \
-      time_budget_s=${DATA_BUDGET_S:-430} 2>&1 | tee "$OUT/bench_data.txt"
+      time_budget_s=${DATA_BUDGET_S:-430} ${DATA_ARGS:-} 2>&1 | tee "$OUT/bench_data.txt"
     for d in "$R"/runs/train_*; do
       [ -d "$d" ] && mkdir -p "$OUT/data/runs/${d##*/}" && cp "$d/summary.json" "$d/train.log" "$OUT/data/runs/${d##*/}/" 2>/dev/null
     done
