@@ -119,7 +119,8 @@ def _torch_load(path: Path) -> Any:
                 f"they are not unpickled because that can run code. If you trust the file, re-save just the "
                 f"weights: torch.save(torch.load(path, weights_only=False)['model'], 'weights.pth').") from None
         raise _corrupt(path, e) from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, struct.error) as e:
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, struct.error,
+            IndexError, KeyError, TypeError) as e:  # the last three: the unpickler's stack machine on garbage bytes
         raise _corrupt(path, e) from None
 
 

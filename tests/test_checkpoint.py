@@ -174,6 +174,10 @@ def test_corrupt_and_empty_files(tmp_path):
     (tmp_path / "empty.pth").write_bytes(b"")
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         load_pretrained(ours(), tmp_path / "junk.pth")
+    # junk whose opcodes pop an empty stack (random junk sometimes does: IndexError inside the unpickler)
+    (tmp_path / "stack.pth").write_bytes(b"\x80\x02\x86.")
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_pretrained(ours(), tmp_path / "stack.pth")
     with pytest.raises(CheckpointError, match="empty"):
         load_pretrained(ours(), tmp_path / "empty.pth")
     with pytest.raises(FileNotFoundError, match="not found"):
