@@ -63,7 +63,8 @@ def _tap(t, first, end, centre, inv, mode):
     return pos, inside, tl.where(inside, weight, 0.0)
 
 
-@triton.jit
+# Triton turns an int argument equal to 1 into a compile-time constant, a Python int without `.to` in _taps
+@triton.jit(do_not_specialize=["OUT_W"])
 def crop_resize_rows_kernel(src_ptr, meta_ptr, rows_ptr, OUT_W, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """rows[image, channel, crop row, j]: the crop's rows resized to OUT_W columns (fp32, not rounded)."""
     image, channel = tl.program_id(0) // 3, tl.program_id(0) % 3
@@ -89,7 +90,7 @@ def crop_resize_rows_kernel(src_ptr, meta_ptr, rows_ptr, OUT_W, BLOCK_R: tl.cons
         tl.store(out, acc / tl.where(total > 0, total, 1.0)[None, :], mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["OUT_H", "OUT_W"])
 def crop_resize_cols_kernel(rows_ptr, meta_ptr, out_ptr, OUT_H, OUT_W, BLOCK_I: tl.constexpr,
                             BLOCK_W: tl.constexpr):
     """out[image, channel, i, j]: the row buffer resized to OUT_H rows, rounded and clamped to uint8."""

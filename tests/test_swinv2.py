@@ -158,6 +158,10 @@ def test_cpb_table_stays_fp32_under_autocast():
     out.float().square().mean().backward()
     grad = attn.cpb_mlp[2].weight.grad
     assert grad.dtype == torch.float32 and grad.abs().sum() > 0
+    # in one graph under dynamo too: a graph break fails every fullgraph compile of a V2 model (train.py's included)
+    traced = torch.compile(attn.bias_table, fullgraph=True, backend="eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(traced(), reference)
 
 
 def test_timm_checkpoint_loads_and_fine_tunes_at_another_window(tmp_path):
