@@ -9,8 +9,12 @@ Both cost the training step something, and this measures which costs less (issue
 The "training step" is a CUDA graph of GPU-bound matmuls and ~20 ms of mid-sized GEMM + GELU kernels (what a
 CUDA-graph Swin-T step looks like to the GPU: host-light). Rows: the step alone, beside 2/4/8 spawned processes that
 decode + augment batches in a loop (the way loader workers would, ending with the uint8 batch copied to the host),
-the same processes decoding only, and beside 1/2 threads of this process decoding + augmenting on default- and on
-high-priority streams. Columns: the step's time and the pipeline's img/s.
+the same processes decoding only, and beside 1/2 threads of this process decoding (+ augmenting), with the step
+replayed on the legacy default stream (where torch runs it unless told otherwise) or on a side stream. The side
+stream is the question: torchvision decodes on a stream of its own and nvJPEG may make synchronous CUDA calls
+(cudaMemcpy, cudaFree: they wait for the legacy default stream, or the whole device), so a decoding thread may wait
+for whole training steps instead of for its own work. `--trace` lists the CUDA API calls of a 1-thread row by total
+time (which call blocks). Columns: the step's time and the pipeline's img/s.
 
     python scripts/bench_decode_contention.py [--jpegs 128] [--seconds 6]
 """
@@ -89,17 +93,19 @@ def step_graph() -> torch.cuda.CUDAGraph:
     return graph
 
 
-def step_ms(graph: torch.cuda.CUDAGraph, seconds: float) -> float:
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        graph.replay()
-        n += 1
-        if n % 4 == 0:  # keep at most a few steps queued, as a training loop does
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
+def step_ms(graph: torch.cuda.CUDAGraph, seconds: float, stream: torch.cuda.Stream | None = None) -> float:
+    """ms per replay of the step on `stream` (None: the current stream, torch's legacy default one)."""
+    with torch.cuda.stream(stream or torch.cuda.current_stream()):
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            graph.replay()
+            n += 1
+            if n % 4 == 0:  # keep at most a few steps queued, as a training loop does
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
     return (time.perf_counter() - start) / n * 1e3
 
 
@@ -123,14 +129,14 @@ def beside_processes(jpegs: list[bytes], graph, processes: int, seconds: float, 
     return ms, rate
 
 
-def beside_threads(jpegs: list[bytes], graph, threads: int, seconds: float, batch: int,
-                   priority: int = 0) -> tuple[float, float]:
-    """priority -1: the threads' streams outrank the step's (the block scheduler then runs their kernels between
-    the step's instead of after a queue of them)."""
+def beside_threads(jpegs: list[bytes], graph, threads: int, seconds: float, batch: int, side_stream: bool,
+                   augment: bool = True, trace: bool = False) -> tuple[float, float, str]:
+    """side_stream: the step replays on a side stream (non-blocking, as torch's are) instead of the legacy default
+    stream; trace: also a table of the CUDA API calls during the timed part, by total time."""
     stop, counts = threading.Event(), [0] * threads
 
     def loop(i: int) -> None:
-        one_batch, stream = pipeline(jpegs, to_host=False), torch.cuda.Stream(priority=priority)
+        one_batch, stream = pipeline(jpegs, to_host=False, augment=augment), torch.cuda.Stream()
         with torch.cuda.stream(stream):
             while not stop.is_set():
                 one_batch()
@@ -141,13 +147,28 @@ def beside_threads(jpegs: list[bytes], graph, threads: int, seconds: float, batc
         t.start()
     while sum(counts) < 2 * threads:
         time.sleep(0.2)
+    step_stream = torch.cuda.Stream() if side_stream else None
     before, start = sum(counts), time.perf_counter()
-    ms = step_ms(graph, seconds)
+    if trace:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ms = step_ms(graph, seconds, step_stream)
+    else:
+        ms = step_ms(graph, seconds, step_stream)
     rate = (sum(counts) - before) * batch / (time.perf_counter() - start)
     stop.set()
     for t in workers:
         t.join()
-    return ms, rate
+    return ms, rate, api_calls(prof) if trace else ""
+
+
+def api_calls(prof, top: int = 12) -> str:
+    """The CUDA runtime/driver calls of every thread (CUPTI sees them all), by total time, as a table."""
+    calls = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu")) and e.count]
+    calls.sort(key=lambda e: e.cpu_time_total, reverse=True)
+    rows = [f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:,.1f} | {e.cpu_time_total / e.count:,.0f} |"
+            for e in calls[:top]]
+    return "\n".join(["| call | count | total ms | mean us |", "|---|---|---|---|", *rows])
 
 
 def main() -> None:
@@ -156,6 +177,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0, help="timed seconds per row")
     parser.add_argument("--processes", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--trace", action="store_true", help="CUDA API calls of the 1-thread decode-only rows")
     args = parser.parse_args()
     jpegs = make_jpegs(args.jpegs)
     graph = step_graph()
@@ -169,11 +191,18 @@ def main() -> None:
             ms, rate = beside_processes(jpegs, graph, n, args.seconds, args.jpegs, augment)
             kind = "decode + augment" if augment else "decode only"
             print(f"| {n} worker processes, {kind} | {ms:.2f} | {ms / alone:.2f} | {rate:,.0f} |", flush=True)
-    for priority in (0, -1):
-        for n in args.threads:
-            ms, rate = beside_threads(jpegs, graph, n, args.seconds, args.jpegs, priority)
-            kind = "high-priority streams" if priority else "default-priority streams"
-            print(f"| {n} threads of this process, {kind} | {ms:.2f} | {ms / alone:.2f} | {rate:,.0f} |", flush=True)
+    traces = []
+    for side in (False, True):
+        where = "step on a side stream" if side else "step on the default stream"
+        for augment, n in [(True, k) for k in args.threads] + [(False, 1)]:
+            ms, rate, calls = beside_threads(jpegs, graph, n, args.seconds, args.jpegs, side, augment,
+                                             trace=args.trace and n == 1 and not augment)
+            kind = "decode + augment" if augment else "decode only"
+            print(f"| {n} threads of this process, {kind}, {where} | {ms:.2f} | {ms / alone:.2f} | {rate:,.0f} |",
+                  flush=True)
+            if calls:
+                traces.append(f"\nCUDA API calls of all threads, 1 thread decoding, {where}:\n\n{calls}")
+    print("\n".join(traces))
 
 
 if __name__ == "__main__":

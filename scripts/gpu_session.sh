@@ -17,9 +17,9 @@
 #                                         # (CPU workers 1/4/all, nvJPEG), train.py with each and on synthetic data,
 #                                         # eval.py top-1 with each decode path; table in $OUT/data/bench_data.md
 #                                         # (DATA_ARGS: more overrides, e.g. "loader.cpu_workers=[16] loader.gpu_workers=[8]")
-#   bash scripts/gpu_session.sh contention  # GPU decoding in worker processes vs threads (default- and high-priority
-#                                         # streams) beside a CUDA-graph step; CONTENTION_ARGS="--processes": threads only
-#                                         # (scripts/bench_decode_contention.py, ~3 min)
+#   bash scripts/gpu_session.sh contention  # GPU decoding in worker processes vs threads beside a CUDA-graph step
+#                                         # replayed on the default or a side stream, with the CUDA API calls of a
+#                                         # decoding thread; CONTENTION_ARGS="--processes": threads only (~3 min)
 #   bash scripts/gpu_session.sh nvjpeg-hw # the GPU's hardware JPEG decoders through nvJPEG (ctypes): rate, host time,
 #                                         # pixels, step time beside them (scripts/probe_nvjpeg_hardware.py, ~2 min)
 # Hydra is missing on the device machine: carry .whl (../shared/device-wheels/, see its README).
@@ -97,7 +97,7 @@ case "${1:-}" in
     done
     python scripts/loop_report.py "$OUT" | tee "$OUT/loop.md" ;;
   contention)
-    python scripts/bench_decode_contention.py ${CONTENTION_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
+    python scripts/bench_decode_contention.py --trace ${CONTENTION_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
   nvjpeg-hw)
     python scripts/probe_nvjpeg_hardware.py 2>&1 | grep -v Warning | tee "$OUT/nvjpeg_hw.md" ;;
   data)
