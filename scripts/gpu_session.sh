@@ -22,11 +22,13 @@
 #                                         # decoding thread; CONTENTION_ARGS="--processes": threads only (~3 min)
 #   bash scripts/gpu_session.sh nvjpeg-hw # the GPU's hardware JPEG decoders through nvJPEG (ctypes): rate, host time,
 #                                         # pixels, step time beside them (scripts/probe_nvjpeg_hardware.py, ~2 min)
+#   bash scripts/gpu_session.sh gelu      # tile sweep of kernels/linear_gelu at Swin-T's fc1 shapes beside cuBLAS fc1
+#                                         # (+ GELU) (scripts/tune_linear_gelu.py; GELU_ARGS="--model base --batch 64")
 # Hydra is missing on the device machine: carry .whl (../shared/device-wheels/, see its README).
 set -uo pipefail
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|contention|nvjpeg-hw) ;;
-  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|e2e-v2|loop|data|contention|nvjpeg-hw" >&2
+  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|contention|nvjpeg-hw|gelu) ;;
+  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|e2e-v2|loop|data|contention|nvjpeg-hw|gelu" >&2
      exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
@@ -98,6 +100,8 @@ case "${1:-}" in
     python scripts/loop_report.py "$OUT" | tee "$OUT/loop.md" ;;
   contention)
     python scripts/bench_decode_contention.py --trace ${CONTENTION_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
+  gelu)
+    python scripts/tune_linear_gelu.py ${GELU_ARGS:-} 2>&1 | tee "$OUT/tune_linear_gelu.md" ;;
   nvjpeg-hw)
     python scripts/probe_nvjpeg_hardware.py 2>&1 | grep -v Warning | tee "$OUT/nvjpeg_hw.md" ;;
   data)
