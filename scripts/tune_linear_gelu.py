@@ -36,10 +36,19 @@ TILES = [(128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 64, 4), (64, 256, 8), (
 KNOBS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_WARPS", "NUM_STAGES")
 
 
-def candidates(k: int, stages: list[int]) -> list[dict[str, int]]:
+def candidates(k: int, tiles: list[tuple[int, int, int]], stages: list[int]) -> list[dict[str, int]]:
     block_ks = [32, 64] if k % 64 == 0 else [32]
     return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=bk, NUM_WARPS=w, NUM_STAGES=s)
-            for m, n, w in TILES for bk in block_ks for s in stages]
+            for m, n, w in tiles for bk in block_ks for s in stages]
+
+
+def parse_tile(text: str) -> tuple[int, int, int]:
+    """'64x128x4': BLOCK_M x BLOCK_N x warps."""
+    try:
+        m, n, w = (int(v) for v in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tile {text!r}: expected BLOCK_MxBLOCK_NxWARPS, e.g. 64x128x4") from None
+    return m, n, w
 
 
 def with_config(cfg: dict[str, int] | None, fn):
@@ -56,7 +65,8 @@ def with_config(cfg: dict[str, int] | None, fn):
                 os.environ[f"SWIN_LG_{key}"] = value
 
 
-def sweep_shape(m: int, k: int, dtype: torch.dtype, device: torch.device, stages: list[int], reps: int
+def sweep_shape(m: int, k: int, dtype: torch.dtype, device: torch.device, tiles: list[tuple[int, int, int]],
+                stages: list[int], warmup: int, reps: int
                 ) -> tuple[dict[str, float], list[tuple[dict[str, int], float, float]]]:
     """({cuBLAS fc1, cuBLAS fc1 + GELU: ms}, [(config, ms, max abs error against fc1 + GELU)])."""
     x = torch.randn(m, k, device=device, dtype=dtype)
@@ -64,13 +74,13 @@ def sweep_shape(m: int, k: int, dtype: torch.dtype, device: torch.device, stages
     b = torch.randn(4 * k, device=device, dtype=dtype)
     with torch.no_grad():
         reference = F.gelu(F.linear(x, w, b))
-        base = {"cuBLAS fc1": median_ms(lambda: F.linear(x, w, b), device, 5, reps),
-                "cuBLAS fc1 + GELU": median_ms(lambda: F.gelu(F.linear(x, w, b)), device, 5, reps)}
+        base = {"cuBLAS fc1": median_ms(lambda: F.linear(x, w, b), device, warmup, reps),
+                "cuBLAS fc1 + GELU": median_ms(lambda: F.gelu(F.linear(x, w, b)), device, warmup, reps)}
         rows = []
-        for cfg in candidates(k, stages):
+        for cfg in candidates(k, tiles, stages):
             def run(cfg=cfg):
                 err = (linear_gelu(x, w, b).float() - reference.float()).abs().max().item()
-                return median_ms(lambda: linear_gelu(x, w, b), device, 5, reps), err
+                return median_ms(lambda: linear_gelu(x, w, b), device, warmup, reps), err
             try:
                 ms, err = with_config(cfg, run)
             except Exception as exc:  # a tile that does not compile or fit (shared memory) is a row, not the end
@@ -85,7 +95,9 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--tiles", type=parse_tile, nargs="+", default=TILES, help="BLOCK_MxBLOCK_NxWARPS ...")
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 4])
+    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of each shape's rows (CPU smoke runs)")
     args = parser.parse_args()
@@ -98,7 +110,8 @@ def main() -> None:
     by_config: dict[str, float] = {}
     for tokens, c, blocks in MODELS[args.model]:
         m = max(1, int(args.batch * tokens * args.scale))
-        base, rows = sweep_shape(m, c, dtype, device, args.stages, args.reps)
+        base, rows = sweep_shape(m, c, dtype, device, args.tiles, args.stages, args.warmup,
+                                 args.reps)
         print(f"## fc1 {m} x {c} -> {4 * c} ({blocks} blocks): cuBLAS fc1 {base['cuBLAS fc1']:.3f} ms, "
               f"+ GELU {base['cuBLAS fc1 + GELU']:.3f} ms\n")
         print("| BLOCK_M | BLOCK_N | BLOCK_K | warps | stages | ms | x (fc1 + GELU) | max abs err |")
