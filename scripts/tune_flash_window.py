@@ -4,8 +4,10 @@
     python scripts/tune_flash_window.py --shapes swin_b384_stage1 --config BWD_WARPS=4 --config BWD_PROGRAMS_PER_SM=8
 
 For each configuration and shape (scripts/bench_attention.py presets): registers and spills of both kernels
-(SWIN_FW_DEBUG) and median forward / forward+backward GPU ms of the window op as the model calls it (timed as
-bench_attention.py does). For tuning on the GPU; bench_attention.py is the benchmark to compare backends.
+(SWIN_FW_DEBUG), median forward / forward+backward GPU ms of the window op as the model calls it (timed as
+bench_attention.py does), and the GPU time of the attention kernels themselves per call (profiler): the eager op's
+forward+backward is host-bound at small shapes (docs/benchmarks.md), so the kernel columns are the ones to compare
+backward configurations by. For tuning on the GPU; bench_attention.py is the benchmark to compare backends.
 """
 from __future__ import annotations
 
@@ -21,10 +23,14 @@ import torch  # noqa: E402
 from scripts.bench_attention import DTYPES, PRESETS, Problem, flash_window, host_ms, make_inputs, median_ms  # noqa: E402
 from swin.windows import relative_position_index, shifted_window_mask  # noqa: E402
 
-DEFAULT_CONFIGS = ["", "PROGRAMS_PER_SM=16", "PROGRAMS_PER_SM=64", "BWD_PROGRAMS_PER_SM=2", "BWD_PROGRAMS_PER_SM=8"]
+# BWD_BLOCK_M=16 / 32: 49-token windows in several query blocks (ptxas sm_90a, bf16: 148 / 217 registers against
+# 180 for one 64-row block), the backward's register budget against the multi-block bias-gradient accumulation
+DEFAULT_CONFIGS = ["", "PROGRAMS_PER_SM=16", "PROGRAMS_PER_SM=64", "BWD_PROGRAMS_PER_SM=2", "BWD_PROGRAMS_PER_SM=8",
+                   "BWD_BLOCK_M=16", "BWD_BLOCK_M=32", "BWD_BLOCK_M=16,BWD_PROGRAMS_PER_SM=8"]
 
 
-def time_config(shape_name: str, dtype: torch.dtype, profile: bool = False) -> tuple[float, float]:
+def time_config(shape_name: str, dtype: torch.dtype, profile: bool = False) -> tuple[float, float, float, float]:
+    """(forward ms, forward+backward ms, forward kernel us, backward kernel us) of one shape."""
     shape = PRESETS[shape_name]
     device = torch.device("cuda")
     inputs = make_inputs(shape, dtype, device)
@@ -55,7 +61,20 @@ def time_config(shape_name: str, dtype: torch.dtype, profile: bool = False) -> t
         print(f"host time per call, {shape_name}: forward {1e3 * host_ms(fwd_no_grad):.0f} us, "
               f"forward+backward {1e3 * host_ms(fwd_bwd, clear_grads):.0f} us")
         print_host_profile(fwd_bwd, clear_grads)
-    return fwd_ms, fwd_bwd_ms
+    kernels = kernel_us(fwd_bwd, clear_grads)
+    return (fwd_ms, fwd_bwd_ms, sum(us for name, us in kernels.items() if "window_attn_fwd" in name),
+            sum(us for name, us in kernels.items() if "window_attn_bwd" in name))
+
+
+def kernel_us(fn, reset, reps: int = 10) -> dict[str, float]:
+    """GPU time per call of each kernel fn launches (profiler, mean over reps calls)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            reset()
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / reps for e in prof.key_averages() if e.self_device_time_total > 0}
 
 
 def print_host_profile(fn, reset, reps: int = 20) -> None:
@@ -112,13 +131,15 @@ def main() -> None:
         _set_knobs(config)
         for shape in args.shapes:
             try:
-                fwd_ms, fwd_bwd_ms = time_config(shape, DTYPES[args.dtype], args.profile and config == configs[0])
-                times = f"{fwd_ms:.4f} | {fwd_bwd_ms:.4f}"
+                fwd_ms, fwd_bwd_ms, fwd_us, bwd_us = time_config(shape, DTYPES[args.dtype],
+                                                                 args.profile and config == configs[0])
+                times = f"{fwd_ms:.4f} | {fwd_bwd_ms:.4f} | {fwd_us:.1f} | {bwd_us:.1f}"
             except Exception as error:  # e.g. triton's OutOfResources: report the config, go on with the next
-                times = f"failed: {type(error).__name__}: {str(error).splitlines()[0]} | -"
+                times = f"failed: {type(error).__name__}: {str(error).splitlines()[0]} | - | - | -"
             rows.append((config or "default", shape, times))
             print(f"{config or 'default'} {shape}: {times}", flush=True)
-    print(f"\n{args.dtype}\n| config | shape | fwd ms | fwd+bwd ms |\n|---|---|---|---|")
+    print(f"\n{args.dtype}\n| config | shape | fwd ms | fwd+bwd ms | fwd kernel us | bwd kernel us |\n"
+          "|---|---|---|---|---|---|")
     for config, shape, times in rows:
         print(f"| {config} | {shape} | {times} |")
 
