@@ -117,11 +117,10 @@ def crop_resize_cols_kernel(rows_ptr, meta_ptr, out_ptr, OUT_H, OUT_W, BLOCK_I: 
     tl.store(out, tl.minimum(tl.maximum(value, 0.0), 255.0).to(tl.uint8), mask=live)
 
 
-def crop_resize(images: list[torch.Tensor], boxes: np.ndarray, modes: np.ndarray, size: tuple[int, int],
-                meta_to_device=None) -> torch.Tensor:
+def crop_resize(images: list[torch.Tensor], boxes: np.ndarray, modes: np.ndarray, size: tuple[int, int]
+                ) -> torch.Tensor:
     """(B, 3, *size) uint8: box (top, left, height, width) of each (3, H_i, W_i) uint8 image, resized with its mode
-    (0 bilinear, 1 bicubic: antialiased; 2 nearest-exact). ``meta_to_device(array)`` moves the per-image table to
-    the images' device (default: a blocking copy)."""
+    (0 bilinear, 1 bicubic: antialiased; 2 nearest-exact)."""
     device, n = images[0].device, len(images)
     out_h, out_w = size
     if any(img.dim() != 3 or img.shape[0] != 3 or img.dtype != torch.uint8 for img in images):
@@ -138,7 +137,7 @@ def crop_resize(images: list[torch.Tensor], boxes: np.ndarray, modes: np.ndarray
     meta = np.stack([np.cumsum(pixels) - pixels, heights, widths, boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3],
                      np.asarray(modes, dtype=np.int64), np.cumsum(row_sizes) - row_sizes], axis=1)
     assert meta.shape[1] == META
-    meta_t = meta_to_device(meta) if meta_to_device else torch.from_numpy(meta).to(device)
+    meta_t = torch.from_numpy(meta).to(device)
     src = torch.cat([img.reshape(-1) for img in images])
     rows = torch.empty(int(row_sizes.sum()), dtype=torch.float32, device=device)
     out = torch.empty((n, 3, out_h, out_w), dtype=torch.uint8, device=device)

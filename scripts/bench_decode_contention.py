@@ -26,6 +26,7 @@ import multiprocessing as mp
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -149,11 +150,8 @@ def beside_threads(jpegs: list[bytes], graph, threads: int, seconds: float, batc
         time.sleep(0.2)
     step_stream = torch.cuda.Stream() if side_stream else None
     before, start = sum(counts), time.perf_counter()
-    if trace:
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            ms = step_ms(graph, seconds, step_stream)
-    else:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if trace else nullcontext() as prof:
         ms = step_ms(graph, seconds, step_stream)
     rate = (sum(counts) - before) * batch / (time.perf_counter() - start)
     stop.set()

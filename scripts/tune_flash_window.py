@@ -62,19 +62,21 @@ def time_config(shape_name: str, dtype: torch.dtype, profile: bool = False) -> t
               f"forward+backward {1e3 * host_ms(fwd_bwd, clear_grads):.0f} us")
         print_host_profile(fwd_bwd, clear_grads)
     kernels = kernel_us(fwd_bwd, clear_grads)
-    return (fwd_ms, fwd_bwd_ms, sum(us for name, us in kernels.items() if "window_attn_fwd" in name),
-            sum(us for name, us in kernels.items() if "window_attn_bwd" in name))
+    return (fwd_ms, fwd_bwd_ms, sum(us for name, (us, _) in kernels.items() if "window_attn_fwd" in name),
+            sum(us for name, (us, _) in kernels.items() if "window_attn_bwd" in name))
 
 
-def kernel_us(fn, reset, reps: int = 10) -> dict[str, float]:
-    """GPU time per call of each kernel fn launches (profiler, mean over reps calls)."""
+def kernel_us(fn, reset, reps: int = 10) -> dict[str, tuple[float, float]]:
+    """{kernel: (GPU us, launches)} per call of fn (profiler, mean over reps calls)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             reset()
             fn()
         torch.cuda.synchronize()
-    return {e.key: e.self_device_time_total / reps for e in prof.key_averages() if e.self_device_time_total > 0}
+    # kernels only (device events): an op named like its kernel (swin::flash_window_attn_bwd) is not counted twice
+    return {e.key: (e.self_device_time_total / reps, e.count / reps) for e in prof.key_averages()
+            if e.device_type.name == "CUDA" and e.self_device_time_total > 0}
 
 
 def print_host_profile(fn, reset, reps: int = 20) -> None:
@@ -91,20 +93,12 @@ def print_host_profile(fn, reset, reps: int = 20) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
-def print_kernels(fn, reset, label: str, reps: int = 10) -> None:
-    """GPU time per kernel of fn (mean over reps calls): where a forward+backward spends its time."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(reps):
-            reset()
-            fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
-    events = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+def print_kernels(fn, reset, label: str) -> None:
+    """GPU time per kernel of fn (kernel_us): where a forward+backward spends its time."""
+    kernels = sorted(kernel_us(fn, reset).items(), key=lambda kv: -kv[1][0])[:12]
     print(f"kernels of one forward+backward, {label} (us per call):")
-    for e in events:
-        if e.self_device_time_total > 0:
-            print(f"  {e.self_device_time_total / reps:9.1f}  {e.count // reps:3d}x  {e.key[:110]}")
+    for name, (us, launches) in kernels:
+        print(f"  {us:9.1f}  {launches:5.1f}x  {name[:110]}")
 
 
 def _set_knobs(config: str) -> None:

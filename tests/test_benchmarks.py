@@ -15,11 +15,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(args: list[str], cwd: Path, timeout: float = 80) -> None:
+def run_script(args: list[str], cwd: Path, timeout: float = 80) -> str:
+    """Runs a script on the CPU (kernels in the Triton interpreter); its stdout."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"{args[0]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
 
 
 def positive(x) -> bool:
@@ -49,18 +51,14 @@ def test_bench_attention_cpu(tmp_path):
 def test_tune_linear_gelu_cpu(tmp_path):
     """The tile sweep runs every candidate at each fc1 shape of the model and checks its numbers (fp16: the
     interpreter's bf16 is wrong): one table per shape, every row within fp16 rounding of F.gelu(F.linear(...))."""
-    script = ROOT / "scripts/tune_linear_gelu.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(script), "--scale", "0.0002", "--tiles", "32x64x4", "--stages", "3",
-                           "--warmup", "0", "--reps", "1", "--dtype", "fp16"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    shapes = [line for line in proc.stdout.splitlines() if line.startswith("## fc1")]
+    stdout = run_script([str(ROOT / "scripts/tune_linear_gelu.py"), "--scale", "0.0002", "--tiles", "32x64x4",
+                         "--stages", "3", "--warmup", "0", "--reps", "1", "--dtype", "fp16"], cwd=tmp_path, timeout=120)
+    shapes = [line for line in stdout.splitlines() if line.startswith("## fc1")]
     assert len(shapes) == 4 and "80 x 96 -> 384" in shapes[0], shapes
-    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 32 | 64 |")]
+    rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| 32 | 64 |")]
     assert len(rows) == 1 + 2 + 2 + 2, rows  # BLOCK_K 32, and 64 where it divides K (192, 384, 768)
     assert all(float(r[-1]) < 1e-2 for r in rows), rows
-    assert "| 32x64, 4 warps, 3 stages |" in proc.stdout
+    assert "| 32x64, 4 warps, 3 stages |" in stdout
 
 
 @pytest.mark.slow
