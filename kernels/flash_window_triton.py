@@ -275,6 +275,11 @@ def window_attn_bwd_kernel(
                 q = (qf * (q_scale * inv_q)[:, None]).to(v.dtype)
             do = tl.load(do_img + _offsets(sy, sx, sdo_y, sdo_x, h, sdo_h, offs_d), mask=io_m, other=0.0)
             bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, BLOCK_N)
+            if NUM_M > 1:  # the program's running bias-gradient rows, loaded early to hide the latency; only the
+                # real (L, L) part: past it ds is 0, and the padded columns would be 44% of a 144-token tile
+                dbias_ptrs = dbias_base + offs_m[:, None] * BLOCK_N + offs_n[None, :]
+                dbias_mask = (offs_m[:, None] < L) & (offs_n[None, :] < L)
+                dbias_rows = tl.load(dbias_ptrs, mask=dbias_mask, other=0.0)
             p = _softmax(q, k, bias, scale, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -289,8 +294,7 @@ def window_attn_bwd_kernel(
             if NUM_M == 1:
                 dbias_acc += ds
             else:  # the program owns its slice: plain read-add-write, no atomics
-                ptrs = dbias_base + offs_m[:, None] * BLOCK_N + offs_n[None, :]
-                tl.store(ptrs, tl.load(ptrs) + ds)
+                tl.store(dbias_ptrs, dbias_rows + ds, mask=dbias_mask)
                 # the next window's load may give an element to another thread than the one that stored it (the
                 # load's and the sum's layouts differ): a CTA barrier makes every store visible to the whole block
                 tl.debug_barrier()

@@ -126,6 +126,16 @@ def test_mask_classes_stand_for_every_window():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sets", ["1", "2"])
+def test_window_op_query_blocks_accumulate_over_windows(sets, monkeypatch):
+    """Several query blocks per window (25 tokens in blocks of 16: padded rows and columns) in programs that each
+    loop over several windows: the backward's running bias-gradient rows add up window after window."""
+    monkeypatch.setenv("SWIN_FW_BLOCK_M", "16")
+    monkeypatch.setenv("SWIN_FW_BWD_BLOCK_M", "16")
+    monkeypatch.setenv("SWIN_FW_BWD_PROGRAMS_PER_SM", sets)
+    check_window_op(2, (2, 3), (5, 5), (2, 2), 2, 16, torch.float32)
+
+
 def test_window_op_16x16_window():
     check_window_op(1, (1, 2), (16, 16), (8, 8), 1, 16, torch.float32)
 
