@@ -13,8 +13,11 @@ the same processes decoding only, and beside 1/2 threads of this process decodin
 replayed on the legacy default stream (where torch runs it unless told otherwise) or on a side stream. The side
 stream is the question: torchvision decodes on a stream of its own and nvJPEG may make synchronous CUDA calls
 (cudaMemcpy, cudaFree: they wait for the legacy default stream, or the whole device), so a decoding thread may wait
-for whole training steps instead of for its own work. `--trace` lists the CUDA API calls of a 1-thread row by total
-time (which call blocks). Columns: the step's time and the pipeline's img/s.
+for whole training steps instead of for its own work (it did not: docs/benchmarks.md). The threads rows now also vary
+how the timing loop waits for its queued steps (`--waits`): a blocking device synchronisation, a blocking event
+synchronisation, or polling the event from Python, which tells whether the decoding thread is held up on the host by
+the other thread's blocking CUDA calls. `--trace` lists the CUDA API calls of a 1-thread row by total time (which
+call blocks). Columns: the step's time and the pipeline's img/s.
 
     python scripts/bench_decode_contention.py [--jpegs 128] [--seconds 6]
 """
@@ -94,18 +97,39 @@ def step_graph() -> torch.cuda.CUDAGraph:
     return graph
 
 
-def step_ms(graph: torch.cuda.CUDAGraph, seconds: float, stream: torch.cuda.Stream | None = None) -> float:
-    """ms per replay of the step on `stream` (None: the current stream, torch's legacy default one)."""
+WAITS = {  # how the timing loop waits for the step it keeps queued: torch.cuda.synchronize, the step's event
+    # (cudaEventSynchronize), or polling that event from Python (the driver never blocks the host)
+    "sync": "torch.cuda.synchronize",
+    "event": "event.synchronize",
+    "poll": "event.query polled",
+}
+
+
+def _wait_for(event: torch.cuda.Event, wait: str) -> None:
+    if wait == "sync":
+        torch.cuda.synchronize()
+    elif wait == "event":
+        event.synchronize()
+    else:
+        while not event.query():
+            time.sleep(2e-4)
+
+
+def step_ms(graph: torch.cuda.CUDAGraph, seconds: float, stream: torch.cuda.Stream | None = None,
+            wait: str = "sync") -> float:
+    """ms per replay of the step on `stream` (None: the current stream, torch's legacy default one), keeping at most
+    4 replays queued, as a training loop does, and waiting for them the `wait` way (WAITS)."""
     with torch.cuda.stream(stream or torch.cuda.current_stream()):
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
-        n, start = 0, time.perf_counter()
+        n, start, done = 0, time.perf_counter(), torch.cuda.Event()
         while time.perf_counter() - start < seconds:
             graph.replay()
             n += 1
-            if n % 4 == 0:  # keep at most a few steps queued, as a training loop does
-                torch.cuda.synchronize()
+            if n % 4 == 0:
+                done.record()
+                _wait_for(done, wait)
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / n * 1e3
 
@@ -131,9 +155,9 @@ def beside_processes(jpegs: list[bytes], graph, processes: int, seconds: float, 
 
 
 def beside_threads(jpegs: list[bytes], graph, threads: int, seconds: float, batch: int, side_stream: bool,
-                   augment: bool = True, trace: bool = False) -> tuple[float, float, str]:
+                   augment: bool = True, trace: bool = False, wait: str = "sync") -> tuple[float, float, str]:
     """side_stream: the step replays on a side stream (non-blocking, as torch's are) instead of the legacy default
-    stream; trace: also a table of the CUDA API calls during the timed part, by total time."""
+    stream; trace: also a table of the CUDA API calls during the timed part, by total time; wait: see WAITS."""
     stop, counts = threading.Event(), [0] * threads
 
     def loop(i: int) -> None:
@@ -152,7 +176,7 @@ def beside_threads(jpegs: list[bytes], graph, threads: int, seconds: float, batc
     before, start = sum(counts), time.perf_counter()
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if trace else nullcontext() as prof:
-        ms = step_ms(graph, seconds, step_stream)
+        ms = step_ms(graph, seconds, step_stream, wait)
     rate = (sum(counts) - before) * batch / (time.perf_counter() - start)
     stop.set()
     for t in workers:
@@ -176,6 +200,10 @@ def main() -> None:
     parser.add_argument("--processes", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--trace", action="store_true", help="CUDA API calls of the 1-thread decode-only rows")
+    parser.add_argument("--waits", nargs="+", choices=list(WAITS), default=list(WAITS),
+                        help="how the timing loop waits for its queued steps in the threads rows")
+    parser.add_argument("--side-stream", action="store_true", help="also the threads rows with the step on a side "
+                        "stream (no change in docs/benchmarks.md, 2026-11-23)")
     args = parser.parse_args()
     jpegs = make_jpegs(args.jpegs)
     graph = step_graph()
@@ -190,11 +218,13 @@ def main() -> None:
             kind = "decode + augment" if augment else "decode only"
             print(f"| {n} worker processes, {kind} | {ms:.2f} | {ms / alone:.2f} | {rate:,.0f} |", flush=True)
     traces = []
-    for side in (False, True):
-        where = "step on a side stream" if side else "step on the default stream"
+    # the threads rows: the step on the default stream waited for each WAITS way, then (--side-stream) on a side one
+    settings = [(False, wait) for wait in args.waits] + ([(True, "sync")] if args.side_stream else [])
+    for side, wait in settings:
+        where = f"step on a {'side' if side else 'default'} stream, waited by {WAITS[wait]}"
         for augment, n in [(True, k) for k in args.threads] + [(False, 1)]:
             ms, rate, calls = beside_threads(jpegs, graph, n, args.seconds, args.jpegs, side, augment,
-                                             trace=args.trace and n == 1 and not augment)
+                                             trace=args.trace and n == 1 and not augment, wait=wait)
             kind = "decode + augment" if augment else "decode only"
             print(f"| {n} threads of this process, {kind}, {where} | {ms:.2f} | {ms / alone:.2f} | {rate:,.0f} |",
                   flush=True)

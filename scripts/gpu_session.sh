@@ -18,8 +18,9 @@
 #                                         # eval.py top-1 with each decode path; table in $OUT/data/bench_data.md
 #                                         # (DATA_ARGS: more overrides, e.g. "loader.cpu_workers=[16] loader.gpu_workers=[8]")
 #   bash scripts/gpu_session.sh contention  # GPU decoding in worker processes vs threads beside a CUDA-graph step
-#                                         # replayed on the default or a side stream, with the CUDA API calls of a
-#                                         # decoding thread; CONTENTION_ARGS="--processes": threads only (~3 min)
+#                                         # waited for by device sync, event sync or event polling (--waits), with
+#                                         # the CUDA API calls of a decoding thread; CONTENTION_ARGS="--processes":
+#                                         # threads only (~3 min; "--side-stream" adds the side-stream rows)
 #   bash scripts/gpu_session.sh nvjpeg-hw # the GPU's hardware JPEG decoders through nvJPEG (ctypes): rate, host time,
 #                                         # pixels, step time beside them (scripts/probe_nvjpeg_hardware.py, ~2 min)
 #   bash scripts/gpu_session.sh gelu      # tile sweep of kernels/linear_gelu at Swin-T's fc1 shapes beside cuBLAS fc1
