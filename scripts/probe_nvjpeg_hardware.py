@@ -12,7 +12,8 @@ GIL for the call). This probe answers, on the device:
 2. its batched decode rate and host time per batch of 128, beside torchvision's hybrid decoder;
 3. the pixels against torchvision's decode of the same files;
 4. the step time of a CUDA-graph "training step" (scripts/bench_decode_contention.py) beside a thread decoding
-   with the engines, against the step alone.
+   with the engines, against the step alone, for each way the timing loop waits for the step (device sync, event
+   sync, event polling: whether the decoding threads are held on the host by its blocking calls).
 
     python scripts/probe_nvjpeg_hardware.py [--jpegs 128] [--seconds 6]
 """
@@ -202,17 +203,18 @@ def main() -> None:
         print(f"pixels, {kind}: mean |hardware - torchvision| RGB {np.mean(diff):.2f} (max per image "
               f"{np.max(diff):.2f}), luma {np.mean(luma):.2f}")
 
-    from bench_decode_contention import step_graph, step_ms
+    from bench_decode_contention import WAITS, step_graph, step_ms
     graph = step_graph()
     alone = step_ms(graph, args.seconds)
     print("\n| beside the step | step ms | x step alone | decode img/s |\n|---|---|---|---|")
     print(f"| nothing | {alone:.2f} | 1.00 | - |")
-    for priority in (0, -1):
+    # high-priority streams changed nothing (docs/benchmarks.md, 2026-11-23): the rows now vary how the step's
+    # timing loop waits for it, i.e. whether the decoding threads are held on the host by its blocking calls
+    for wait in WAITS:
         for threads in (1, 2):
             ms, r = beside(graph, lambda: BatchedDecoder(lib, BACKEND_HARDWARE, args.jpegs), main_files, sizes,
-                           threads, args.seconds, priority)
-            kind = "high" if priority else "default"
-            print(f"| {threads} thread(s) decoding with the engines, {kind}-priority streams | {ms:.2f} | "
+                           threads, args.seconds, wait=wait)
+            print(f"| {threads} thread(s) decoding with the engines, step waited by {WAITS[wait]} | {ms:.2f} | "
                   f"{ms / alone:.2f} | {r:,.0f} |", flush=True)
 
 
@@ -222,9 +224,9 @@ def _luma(x: torch.Tensor) -> torch.Tensor:
 
 
 def beside(graph, make_decoder, files: list[bytes], sizes, threads: int, seconds: float,
-           priority: int = 0) -> tuple[float, float]:
+           priority: int = 0, wait: str = "sync") -> tuple[float, float]:
     """Step time with `threads` threads decoding in a loop (each its own decoder and stream of `priority`: -1
-    outranks the step's kernels), and their img/s."""
+    outranks the step's kernels), and their img/s; wait: how the step's loop waits (bench_decode_contention.WAITS)."""
     from bench_decode_contention import step_ms
     stop, counts = threading.Event(), [0] * threads
 
@@ -242,7 +244,7 @@ def beside(graph, make_decoder, files: list[bytes], sizes, threads: int, seconds
     while sum(counts) < 2 * threads and time.perf_counter() < deadline:
         time.sleep(0.1)
     before, start = sum(counts), time.perf_counter()
-    ms = step_ms(graph, seconds)
+    ms = step_ms(graph, seconds, wait=wait)
     r = (sum(counts) - before) * len(files) / (time.perf_counter() - start)
     stop.set()
     for t in workers:
