@@ -179,12 +179,20 @@ def _launch_plan(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry, mas
     return cfg, {**keywords, "num_warps": cfg["num_warps"]}
 
 
-def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, cfg: dict) -> torch.Tensor:
-    """(classes, heads, rows, BLOCK_N) fp32 tiles the attention kernels load: bias plus each class's mask, padded
-    (one small kernel: a single launch, as eager calls are host-bound for small stages)."""
+def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """The bias tiles' dtype: fp32, or with the HALF_BIAS knob the half-precision input's own dtype (what timm's SDPA
+    path adds: its bias-plus-mask tensor is cast to the query's dtype). Every program of a stage reads its head's
+    tile once per window (L2 hits, but 16 KB per 7x7 window and head in fp32, more than the window's q, k, v, o)."""
+    half = x_dtype in (torch.float16, torch.bfloat16) and _tuning("HALF_BIAS", 0)
+    return x_dtype if half else torch.float32
+
+
+def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, cfg: dict, dtype: torch.dtype) -> torch.Tensor:
+    """(classes, heads, rows, BLOCK_N) tiles (tile_dtype) the attention kernels load: bias plus each class's mask,
+    padded (one small kernel: a single launch, as eager calls are host-bound for small stages)."""
     heads, area = bias.shape[0], bias.shape[-1]
     classes = mask.shape[0] if mask is not None else 1
-    tiles = bias.new_empty((classes, heads, cfg["NUM_M"] * cfg["BLOCK_M"], cfg["BLOCK_N"]), dtype=torch.float32)
+    tiles = bias.new_empty((classes, heads, cfg["NUM_M"] * cfg["BLOCK_M"], cfg["BLOCK_N"]), dtype=tile_dtype(dtype))
     mask_arg = mask.contiguous() if mask is not None else bias  # not read without a mask
     _launch(bias_tiles_kernel, (classes * heads, cfg["NUM_M"]), bias, *bias.stride(), mask_arg, tiles, area, heads,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_M=cfg["NUM_M"], MASKED=mask is not None)
@@ -206,7 +214,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: St
     Every tensor reaches the kernel whole, never as a view: torch.compile then passes the buffers through
     untouched, where a written view (or, through wrap_triton's analysis, a read one) costs a copy."""
     cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask, fill, q_scale, backward=False)
-    tiles = _bias_tiles(bias, mask, cfg)
+    tiles = _bias_tiles(bias, mask, cfg, q.dtype)
     kernel = _launch(window_attn_fwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, out, *so,
                      tiles, fill if fill is not None else tiles, q_scale if q_scale is not None else tiles,
                      *geo.ints(), head_dim, heads, scale, **keywords)
@@ -221,7 +229,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
     """Writes dq, dk, dv into dqkv (sd_t elements apart) (of the raw q and k with q_scale); returns (bias
     gradient, fill gradient or None, q_scale gradient or None)."""
     cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask, fill, q_scale, backward=True)
-    tiles = _bias_tiles(bias, mask, cfg)
+    tiles = _bias_tiles(bias, mask, cfg, q.dtype)
     # one tile per program; the single-block kernel writes its tile whole at the end, the multi-block one adds
     # into it window after window
     alloc = torch.empty if cfg["NUM_M"] == 1 else torch.zeros

@@ -10,9 +10,10 @@ arithmetic, so no roll / pad / partition copies exist around the kernel. The win
 
 B is the dense (heads, L, L) bias plus the additive mask of the window's class: Swin's shifted-window mask
 depends only on whether a window lies in the last row and/or the last column of its image's window grid,
-so four (L, L) masks cover it. bias_tiles_kernel adds them into one padded fp32 tile per (class, head); the
-attention kernels pick the class from the window's grid position and load its tile (L2-resident): no
-per-element region arithmetic, and a shifted block costs about what an unshifted one does.
+so four (L, L) masks cover it. bias_tiles_kernel adds them into one padded tile per (class, head) (fp32, or the
+input's half dtype with the HALF_BIAS knob); the attention kernels pick the class from the window's grid position
+and load its tile (L2-resident): no per-element region arithmetic, and a shifted block costs about what an
+unshifted one does.
 
 Swin V2's scaled cosine attention (COSINE): q and k are normalised to unit length on chip and q multiplied by
 the head's scale exp(clamped logit scale), read from a (heads,) fp32 vector; the kernels then run with scale 1.
@@ -96,7 +97,7 @@ def _load_tokens(ptr, offsets, io_mask, real, inwin, fill_ptr, offs_d, HD, HAS_F
 
 @triton.jit
 def _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) fp32 rows offs_m of the (class, head) tile (see bias_tiles_kernel): aligned, padded
+    """(BLOCK_M, BLOCK_N) rows offs_m of the (class, head) tile (see bias_tiles_kernel): aligned, padded
     storage, so the load needs no mask and vectorises; the tiles are L2-resident."""
     base = tiles_ptr + (cls * NH + h) * (ROWS * BLOCK_N)
     return tl.load(base + offs_m[:, None] * BLOCK_N + offs_n[None, :])
@@ -105,7 +106,8 @@ def _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, ROWS: tl.constexpr, BLOCK_
 @triton.jit
 def bias_tiles_kernel(bias_ptr, sb_h, sb_m, sb_n, mask_ptr, tiles_ptr, L, NH,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_M: tl.constexpr, MASKED: tl.constexpr):
-    """tiles[c, h] = bias[h] + mask[c] as a (NUM_M * BLOCK_M, BLOCK_N) fp32 tile: -inf in the key columns past L
+    """tiles[c, h] = bias[h] + mask[c] as a (NUM_M * BLOCK_M, BLOCK_N) tile (fp32, or half with the HALF_BIAS knob;
+    summed in fp32): -inf in the key columns past L
     (no key there), 0 in the query rows past L (finite rows: nothing of them is stored).
     Programs: (class, head) x row block."""
     pid = tl.program_id(0)
@@ -118,7 +120,8 @@ def bias_tiles_kernel(bias_ptr, sb_h, sb_m, sb_n, mask_ptr, tiles_ptr, L, NH,
     if MASKED:
         tile += tl.load(mask_ptr + (pid // NH) * L * L + offs_m[:, None] * L + offs_n[None, :], mask=ok, other=0.0)
     tile = tl.where((offs_n < L)[None, :] | (offs_m >= L)[:, None], tile, float("-inf"))
-    tl.store(tiles_ptr + pid * (NUM_M * BLOCK_M * BLOCK_N) + offs_m[:, None] * BLOCK_N + offs_n[None, :], tile)
+    tl.store(tiles_ptr + pid * (NUM_M * BLOCK_M * BLOCK_N) + offs_m[:, None] * BLOCK_N + offs_n[None, :],
+             tile.to(tiles_ptr.dtype.element_ty))
 
 
 @triton.jit

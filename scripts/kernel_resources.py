@@ -29,7 +29,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.flash_window import _launch_config, kernel_constants  # noqa: E402
+from kernels.flash_window import _launch_config, kernel_constants, tile_dtype  # noqa: E402
 from kernels.flash_window_triton import window_attn_bwd_kernel, window_attn_fwd_kernel  # noqa: E402
 
 HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
@@ -42,6 +42,8 @@ def _signature(fn, constants: dict, data_ptr: str) -> dict[str, str]:
     for name in fn.arg_names:
         if name in constants:
             sig[name] = "constexpr"
+        elif name == "tiles_ptr":  # the bias tiles: fp32 unless the HALF_BIAS knob makes them the data's dtype
+            sig[name] = "*fp32" if tile_dtype(torch.bfloat16) == torch.float32 else data_ptr
         elif name.endswith("_ptr"):
             sig[name] = "*fp32" if name in FP32_POINTERS else data_ptr
         elif name == "scale":

@@ -136,6 +136,18 @@ def test_window_op_query_blocks_accumulate_over_windows(sets, monkeypatch):
     check_window_op(2, (2, 3), (5, 5), (2, 2), 2, 16, torch.float32)
 
 
+@pytest.mark.parametrize("window,shift", [((7, 7), (3, 3)), ((12, 12), (6, 6))])
+def test_window_op_half_bias_tiles(window, shift, monkeypatch):
+    """HALF_BIAS: the bias-plus-mask tiles in the input's half dtype (as timm's SDPA path adds them); the output and
+    every gradient, the bias table's included (summed in fp32), stay within fp16 tolerance of float64 math."""
+    monkeypatch.setenv("SWIN_FW_HALF_BIAS", "1")
+    check_window_op(1, (2, 2), window, shift, 2, 16, torch.float16)
+    q, k, v, table = make_inputs(1, (2, 2), window, 2, 16, torch.float16, DEVICE)
+    half = run_window_op(q, k, v, table, window, shift, (2, 2), 0.25)
+    monkeypatch.setenv("SWIN_FW_HALF_BIAS", "0")
+    assert not torch.equal(half, run_window_op(q, k, v, table, window, shift, (2, 2), 0.25))  # the knob took effect
+
+
 def test_window_op_16x16_window():
     check_window_op(1, (1, 2), (16, 16), (8, 8), 1, 16, torch.float32)
 
