@@ -96,6 +96,14 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     block_m = block_n if block_n <= 64 else 16
     block_m = min(block_n, _tuning("BWD_BLOCK_M" if backward else "BLOCK_M", block_m))
     num_m = triton.cdiv(window_area, block_m)
+    # windows of several query blocks take their keys in two blocks, a power of two and a tail, where that pads
+    # less: 144 tokens (12x12) as 128 + 16 instead of one 256-key tile (44% of whose columns were padding)
+    block_t = 0
+    if num_m > 1 and _tuning("TAIL", 1):
+        head = triton.next_power_of_2(window_area) // 2
+        tail = max(16, triton.next_power_of_2(window_area - head))
+        if head + tail < block_n:
+            block_n, block_t = head, tail
     # forward, one-block windows: 32 programs per SM, each looping over windows with the next window's loads
     # pipelined (STAGES=2); several query blocks: one program per window and head (0). Backward: 4 programs
     # per SM, each looping over windows, as each writes a bias-gradient tile the caller sums (H100, bf16,
@@ -112,9 +120,11 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     # (a 128-token fp32 window of head_dim 128 would need 311 KB of shared memory)
     block_d = max(16, triton.next_power_of_2(head_dim))
     stages = 2 if (num_m == 1 and not backward and block_n * block_d * itemsize <= 32768) else 1
-    # 8 warps only for the 256-token backward (measured on the H100: 12x12 and 10x10 windows, bf16)
-    default_warps = 8 if (block_n >= 256 and backward) else 4
-    return dict(sets=sets, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+    # the backward of windows over 128 tokens: 8 warps for one padded tile or fp32 (measured on the H100: 10x10 and
+    # 12x12 windows), 4 for 16-bit keys split in two (12x12, bf16: 2 programs of 253 registers per SM, 25% faster)
+    wide = window_area > 128 and backward
+    default_warps = 8 if wide and not (block_t and itemsize == 2) else 4
+    return dict(sets=sets, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d,
                 NUM_M=num_m, num_warps=_tuning("BWD_WARPS" if backward else "WARPS", default_warps),
                 STAGES=_tuning("BWD_STAGES" if backward else "STAGES", stages),
                 HEAD_MINOR=_tuning("BWD_HEAD_MINOR" if backward else "HEAD_MINOR", 1))
@@ -127,7 +137,7 @@ def kernel_constants(cfg: dict, window: tuple[int, int], masked: bool, has_fill:
     # fp32: three tf32 products per product (about fp32 accuracy on tensor cores) for tiles of up to 64 x 64;
     # larger ones do not fit in shared memory that way on sm_90 (10x10 windows of head_dim 128: 311 KB) and
     # take exact fp32 FMAs (scripts/kernel_resources.py)
-    small = cfg["BLOCK_N"] * cfg["BLOCK_D"] <= 4096
+    small = (cfg["BLOCK_N"] + cfg["BLOCK_T"]) * cfg["BLOCK_D"] <= 4096
     fp32 = os.environ.get("SWIN_FW_FP32_PRECISION", "tf32x3" if small else "ieee")
     return dict(WH=window[0], WW=window[1], MASKED=masked, HAS_FILL=has_fill, COSINE=cosine,
                 PRECISION=fp32 if dtype == torch.float32 else "tf32", **tiling)
@@ -180,22 +190,26 @@ def _launch_plan(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry, mas
 
 
 def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
-    """The bias tiles' dtype: fp32, or with the HALF_BIAS knob the half-precision input's own dtype (what timm's SDPA
-    path adds: its bias-plus-mask tensor is cast to the query's dtype). Every program of a stage reads its head's
-    tile once per window (L2 hits, but 16 KB per 7x7 window and head in fp32, more than the window's q, k, v, o)."""
-    half = x_dtype in (torch.float16, torch.bfloat16) and _tuning("HALF_BIAS", 0)
+    """The bias tiles' dtype: a half-precision input's own dtype (what timm's SDPA path adds: its bias-plus-mask
+    tensor is cast to the query's dtype), fp32 for fp32 inputs or with SWIN_FW_HALF_BIAS=0. Every program reads its
+    head's tile once per window (L2 hits, but 16 KB per 7x7 window and head in fp32, more than the window's q, k, v,
+    o): half tiles made forward+backward 5-10% faster at every measured shape (H100, docs/benchmarks.md)."""
+    half = x_dtype in (torch.float16, torch.bfloat16) and _tuning("HALF_BIAS", 1)
     return x_dtype if half else torch.float32
 
 
 def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, cfg: dict, dtype: torch.dtype) -> torch.Tensor:
-    """(classes, heads, rows, BLOCK_N) tiles (tile_dtype) the attention kernels load: bias plus each class's mask,
-    padded (one small kernel: a single launch, as eager calls are host-bound for small stages)."""
+    """(classes, heads, rows, BLOCK_N + BLOCK_T) tiles (tile_dtype) the attention kernels load: bias plus each
+    class's mask, padded (one small kernel: a single launch, as eager calls are host-bound for small stages)."""
     heads, area = bias.shape[0], bias.shape[-1]
     classes = mask.shape[0] if mask is not None else 1
-    tiles = bias.new_empty((classes, heads, cfg["NUM_M"] * cfg["BLOCK_M"], cfg["BLOCK_N"]), dtype=tile_dtype(dtype))
+    cols = cfg["BLOCK_N"] + cfg["BLOCK_T"]
+    col_block = cfg["BLOCK_T"] or cfg["BLOCK_N"]  # both powers of two: tail-wide blocks tile the columns
+    tiles = bias.new_empty((classes, heads, cfg["NUM_M"] * cfg["BLOCK_M"], cols), dtype=tile_dtype(dtype))
     mask_arg = mask.contiguous() if mask is not None else bias  # not read without a mask
-    _launch(bias_tiles_kernel, (classes * heads, cfg["NUM_M"]), bias, *bias.stride(), mask_arg, tiles, area, heads,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_M=cfg["NUM_M"], MASKED=mask is not None)
+    _launch(bias_tiles_kernel, (classes * heads, cfg["NUM_M"], cols // col_block), bias, *bias.stride(), mask_arg,
+            tiles, area, heads, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=col_block, NUM_M=cfg["NUM_M"], COLS=cols,
+            MASKED=mask is not None)
     return tiles
 
 

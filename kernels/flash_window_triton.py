@@ -10,10 +10,14 @@ arithmetic, so no roll / pad / partition copies exist around the kernel. The win
 
 B is the dense (heads, L, L) bias plus the additive mask of the window's class: Swin's shifted-window mask
 depends only on whether a window lies in the last row and/or the last column of its image's window grid,
-so four (L, L) masks cover it. bias_tiles_kernel adds them into one padded tile per (class, head) (fp32, or the
-input's half dtype with the HALF_BIAS knob); the attention kernels pick the class from the window's grid position
-and load its tile (L2-resident): no per-element region arithmetic, and a shifted block costs about what an
-unshifted one does.
+so four (L, L) masks cover it. bias_tiles_kernel adds them into one padded tile per (class, head) (in the input's
+half dtype, fp32 for fp32 inputs or with the HALF_BIAS=0 knob); the attention kernels pick the class from the
+window's grid position and load its tile (L2-resident): no per-element region arithmetic, and a shifted block
+costs about what an unshifted one does.
+
+Windows of several query blocks take their keys in two blocks where that pads less than one power-of-two tile
+(BLOCK_T > 0): 144 tokens (12x12) as 128 + 16 keys, not 256 (of which 112 were padding in every product, exp and
+bias-tile byte). The softmax spans both blocks; each gets its own k, v, dk, dv and bias-gradient columns.
 
 Swin V2's scaled cosine attention (COSINE): q and k are normalised to unit length on chip and q multiplied by
 the head's scale exp(clamped logit scale), read from a (heads,) fp32 vector; the kernels then run with scale 1.
@@ -96,31 +100,31 @@ def _load_tokens(ptr, offsets, io_mask, real, inwin, fill_ptr, offs_d, HD, HAS_F
 
 
 @triton.jit
-def _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) rows offs_m of the (class, head) tile (see bias_tiles_kernel): aligned, padded
+def _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """(rows offs_m, columns offs_n) of the (class, head) tile (see bias_tiles_kernel): aligned, padded
     storage, so the load needs no mask and vectorises; the tiles are L2-resident."""
-    base = tiles_ptr + (cls * NH + h) * (ROWS * BLOCK_N)
-    return tl.load(base + offs_m[:, None] * BLOCK_N + offs_n[None, :])
+    base = tiles_ptr + (cls * NH + h) * (ROWS * COLS)
+    return tl.load(base + offs_m[:, None] * COLS + offs_n[None, :])
 
 
 @triton.jit
 def bias_tiles_kernel(bias_ptr, sb_h, sb_m, sb_n, mask_ptr, tiles_ptr, L, NH,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_M: tl.constexpr, MASKED: tl.constexpr):
-    """tiles[c, h] = bias[h] + mask[c] as a (NUM_M * BLOCK_M, BLOCK_N) tile (fp32, or half with the HALF_BIAS knob;
-    summed in fp32): -inf in the key columns past L
-    (no key there), 0 in the query rows past L (finite rows: nothing of them is stored).
-    Programs: (class, head) x row block."""
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_M: tl.constexpr, COLS: tl.constexpr,
+                      MASKED: tl.constexpr):
+    """tiles[c, h] = bias[h] + mask[c] as a (NUM_M * BLOCK_M, COLS) tile (the tiles' dtype, see tile_dtype;
+    summed in fp32): -inf in the key columns past L (no key there), 0 in the query rows past L (finite rows:
+    nothing of them is stored). Programs: (class, head) x row block x BLOCK_N-wide column block."""
     pid = tl.program_id(0)
     h = pid % NH
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (offs_m < L)[:, None] & (offs_n < L)[None, :]
     tile = tl.load(bias_ptr + h * sb_h + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n, mask=ok, other=0.0)
     tile = tile.to(tl.float32)
     if MASKED:
         tile += tl.load(mask_ptr + (pid // NH) * L * L + offs_m[:, None] * L + offs_n[None, :], mask=ok, other=0.0)
     tile = tl.where((offs_n < L)[None, :] | (offs_m >= L)[:, None], tile, float("-inf"))
-    tl.store(tiles_ptr + pid * (NUM_M * BLOCK_M * BLOCK_N) + offs_m[:, None] * BLOCK_N + offs_n[None, :],
+    tl.store(tiles_ptr + pid * (NUM_M * BLOCK_M * COLS) + offs_m[:, None] * COLS + offs_n[None, :],
              tile.to(tiles_ptr.dtype.element_ty))
 
 
@@ -176,15 +180,46 @@ def _softmax(q, k, bias, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _softmax_split(q, k, k_t, bias, bias_t, scale, PRECISION: tl.constexpr):
+    """softmax over the keys of two blocks (the power-of-two head block k and the tail block k_t): (P, P_t)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias
+    s_t = tl.dot(q, tl.trans(k_t), input_precision=PRECISION) * scale + bias_t
+    m = tl.maximum(tl.max(s, 1), tl.max(s_t, 1))[:, None]
+    p = tl.exp2((s - m) * 1.4426950408889634)
+    p_t = tl.exp2((s_t - m) * 1.4426950408889634)
+    inv = (1.0 / (tl.sum(p, 1) + tl.sum(p_t, 1)))[:, None]
+    return p * inv, p_t * inv
+
+
+@triton.jit
+def _store_key_grads(dk, dv, k_raw, inv_k, scale, dk_ptr, dv_ptr, img_off, sy, sx, s_y, s_x, s_h, h, offs_d, HD,
+                     inwin, real, dfill_k, dfill_v, HAS_FILL: tl.constexpr, COSINE: tl.constexpr):
+    """Stores a key block's dk (times scale; of the raw k with COSINE) and dv; returns the fill gradients with the
+    block's padded tokens added (they hold the qkv bias). inv_k: the keys' inverse norms with COSINE, else unused."""
+    dk = dk * scale
+    if COSINE:
+        dk, _dots = _unnormalise_grad(dk, k_raw.to(tl.float32), inv_k, 1.0)
+    offs = _offsets(sy, sx, s_y, s_x, h, s_h, offs_d)
+    io = _io_mask(real, offs_d, HD)
+    tl.store(dk_ptr + img_off + offs, dk.to(dk_ptr.dtype.element_ty), mask=io)
+    tl.store(dv_ptr + img_off + offs, dv.to(dv_ptr.dtype.element_ty), mask=io)
+    if HAS_FILL:
+        pad = (inwin & (real == 0))[:, None]
+        dfill_k += tl.sum(tl.where(pad, dk, 0.0), 0)
+        dfill_v += tl.sum(tl.where(pad, dv, 0.0), 0)
+    return dfill_k, dfill_v
+
+
+@triton.jit
 def window_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, s_t, sq_b, sq_y, sq_x, sq_h,
     o_ptr, so_b, so_y, so_x, so_h,
     tiles_ptr, fill_ptr, qs_ptr,
     G, L, H, W, AGH, AGW, ASH, ASW, MGH, MGW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
-    MASKED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-    HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_M: tl.constexpr, MASKED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr,
+    STAGES: tl.constexpr, HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
 ):
     h, first, nsets = _program(NH, HEAD_MINOR)
     scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
@@ -194,6 +229,8 @@ def window_attn_fwd_kernel(
     v_ptr += 2 * s_t
     fill_ptr += h * HD
     offs_n = tl.arange(0, BLOCK_N)
+    if BLOCK_T > 0:  # keys in two blocks: BLOCK_N (a power of two) and the tail (144 = 128 + 16 for 12x12 windows)
+        offs_t = BLOCK_N + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     for g in tl.range(first, G, nsets, num_stages=STAGES):
         cls = _mask_class(g, MGH, MGW) if MASKED else 0
@@ -203,9 +240,16 @@ def window_attn_fwd_kernel(
         o_img = o_ptr + b * so_b
         k, v = _key_value(k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h, b, sy_n, sx_n, inwin_n, real_n, h, offs_d, HD,
                           fill_ptr, NH, HAS_FILL)
+        if BLOCK_T > 0:
+            _b, sy_t, sx_t, inwin_t, real_t = _tokens(g, offs_t, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
+            k_t, v_t = _key_value(k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h, b, sy_t, sx_t, inwin_t, real_t, h, offs_d,
+                                  HD, fill_ptr, NH, HAS_FILL)
         if COSINE:
             kf, inv_k = _unit_rows(k)
             k = (kf * inv_k[:, None]).to(v.dtype)
+            if BLOCK_T > 0:
+                kf_t, inv_k_t = _unit_rows(k_t)
+                k_t = (kf_t * inv_k_t[:, None]).to(v.dtype)
         for mb in range(NUM_M):
             offs_m, sy, sx, real_m = _query_rows(g, mb, offs_n, sy_n, sx_n, real_n, L, H, W, WH, WW, AGH, AGW, ASH,
                                                  ASW, BLOCK_M, NUM_M)
@@ -214,9 +258,15 @@ def window_attn_fwd_kernel(
             if COSINE:
                 qf, inv_q = _unit_rows(q)
                 q = (qf * (q_scale * inv_q)[:, None]).to(v.dtype)
-            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, BLOCK_N)
-            p = _softmax(q, k, bias, scale, PRECISION)
-            o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, BLOCK_N + BLOCK_T)
+            if BLOCK_T > 0:
+                bias_t = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_t, NUM_M * BLOCK_M, BLOCK_N + BLOCK_T)
+                p, p_t = _softmax_split(q, k, k_t, bias, bias_t, scale, PRECISION)
+                o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                o = tl.dot(p_t.to(v.dtype), v_t, acc=o, input_precision=PRECISION)
+            else:
+                p = _softmax(q, k, bias, scale, PRECISION)
+                o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             tl.store(o_img + _offsets(sy, sx, so_y, so_x, h, so_h, offs_d), o.to(o_ptr.dtype.element_ty), mask=io_m)
 
 
@@ -228,9 +278,9 @@ def window_attn_bwd_kernel(
     tiles_ptr, fill_ptr, dbias_ptr, dfill_ptr, qs_ptr, dqs_ptr,
     G, L, H, W, AGH, AGW, ASH, ASW, MGH, MGW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_M: tl.constexpr,
-    MASKED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-    HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_M: tl.constexpr, MASKED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr,
+    STAGES: tl.constexpr, HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
 ):
     h, first, nsets = _program(NH, HEAD_MINOR)
     scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
@@ -245,10 +295,13 @@ def window_attn_bwd_kernel(
     dq_ptr = dqkv_ptr
     dk_ptr = dqkv_ptr + sd_t
     dv_ptr = dqkv_ptr + 2 * sd_t
+    COLS: tl.constexpr = BLOCK_N + BLOCK_T
     offs_n = tl.arange(0, BLOCK_N)
+    if BLOCK_T > 0:  # keys in two blocks: BLOCK_N (a power of two) and the tail (144 = 128 + 16 for 12x12 windows)
+        offs_t = BLOCK_N + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
-    # this program's (rows, BLOCK_N) slice of the bias-gradient buffer
-    dbias_base = dbias_ptr + (first * NH + h).to(tl.int64) * (NUM_M * BLOCK_M * BLOCK_N)
+    # this program's (rows, COLS) slice of the bias-gradient buffer
+    dbias_base = dbias_ptr + (first * NH + h).to(tl.int64) * (NUM_M * BLOCK_M * COLS)
     if NUM_M == 1:
         dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dfill_k = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -262,10 +315,20 @@ def window_attn_bwd_kernel(
         dq_img = dq_ptr + b * sdq_b
         k, v = _key_value(k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h, b, sy_n, sx_n, inwin_n, real_n, h, offs_d, HD,
                           fill_ptr, NH, HAS_FILL)
+        if BLOCK_T > 0:
+            _b, sy_t, sx_t, inwin_t, real_t = _tokens(g, offs_t, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
+            k_t, v_t = _key_value(k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h, b, sy_t, sx_t, inwin_t, real_t, h, offs_d,
+                                  HD, fill_ptr, NH, HAS_FILL)
+            dk_t = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+            dv_t = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         if COSINE:
             k_raw = k
             kf, inv_k = _unit_rows(k)
             k = (kf * inv_k[:, None]).to(v.dtype)
+            if BLOCK_T > 0:
+                k_raw_t = k_t
+                kf_t, inv_k_t = _unit_rows(k_t)
+                k_t = (kf_t * inv_k_t[:, None]).to(v.dtype)
         dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         for mb in range(NUM_M):
@@ -277,17 +340,34 @@ def window_attn_bwd_kernel(
                 qf, inv_q = _unit_rows(q)
                 q = (qf * (q_scale * inv_q)[:, None]).to(v.dtype)
             do = tl.load(do_img + _offsets(sy, sx, sdo_y, sdo_x, h, sdo_h, offs_d), mask=io_m, other=0.0)
-            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, BLOCK_N)
+            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, COLS)
             if NUM_M > 1:  # the program's running bias-gradient rows, loaded early to hide the latency; only the
                 # real (L, L) part: past it ds is 0, and the padded columns would be 44% of a 144-token tile
-                dbias_ptrs = dbias_base + offs_m[:, None] * BLOCK_N + offs_n[None, :]
+                dbias_ptrs = dbias_base + offs_m[:, None] * COLS + offs_n[None, :]
                 dbias_mask = (offs_m[:, None] < L) & (offs_n[None, :] < L)
                 dbias_rows = tl.load(dbias_ptrs, mask=dbias_mask, other=0.0)
-            p = _softmax(q, k, bias, scale, PRECISION)
+            if BLOCK_T > 0:
+                bias_t = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_t, NUM_M * BLOCK_M, COLS)
+                dbias_ptrs_t = dbias_base + offs_m[:, None] * COLS + offs_t[None, :]
+                dbias_mask_t = (offs_m[:, None] < L) & (offs_t[None, :] < L)
+                dbias_rows_t = tl.load(dbias_ptrs_t, mask=dbias_mask_t, other=0.0)
+                p, p_t = _softmax_split(q, k, k_t, bias, bias_t, scale, PRECISION)
+                dv_t += tl.dot(tl.trans(p_t.to(do.dtype)), do, input_precision=PRECISION)
+                dp_t = tl.dot(do, tl.trans(v_t), input_precision=PRECISION)
+            else:
+                p = _softmax(q, k, bias, scale, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - tl.sum(p * dp, 1)[:, None])  # gradient of the scores (= of the bias tile)
-            dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
+            delta = tl.sum(p * dp, 1)
+            if BLOCK_T > 0:
+                delta += tl.sum(p_t * dp_t, 1)
+            ds = p * (dp - delta[:, None])  # gradient of the scores (= of the bias tile)
+            dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+            if BLOCK_T > 0:
+                ds_t = p_t * (dp_t - delta[:, None])
+                dq = tl.dot(ds_t.to(k.dtype), k_t, acc=dq, input_precision=PRECISION)
+                dk_t += tl.dot(tl.trans(ds_t.to(q.dtype)), q, input_precision=PRECISION)
+            dq = dq * scale
             if COSINE:
                 dq, dots = _unnormalise_grad(dq, qf, inv_q, q_scale)
                 dq_scale += dots
@@ -298,22 +378,20 @@ def window_attn_bwd_kernel(
                 dbias_acc += ds
             else:  # the program owns its slice: plain read-add-write, no atomics
                 tl.store(dbias_ptrs, dbias_rows + ds, mask=dbias_mask)
+                if BLOCK_T > 0:
+                    tl.store(dbias_ptrs_t, dbias_rows_t + ds_t, mask=dbias_mask_t)
                 # the next window's load may give an element to another thread than the one that stored it (the
                 # load's and the sum's layouts differ): a CTA barrier makes every store visible to the whole block
                 tl.debug_barrier()
-        dk = dk * scale
-        if COSINE:
-            dk, _dots = _unnormalise_grad(dk, k_raw.to(tl.float32), inv_k, 1.0)
-        d_offs = _offsets(sy_n, sx_n, sdq_y, sdq_x, h, sdq_h, offs_d)
-        kv_mask = _io_mask(real_n, offs_d, HD)
-        tl.store(dk_ptr + b * sdq_b + d_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(dv_ptr + b * sdq_b + d_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
-        if HAS_FILL:  # padded tokens hold the qkv bias: their k/v gradients flow to it
-            pad = (inwin_n & (real_n == 0))[:, None]
-            dfill_k += tl.sum(tl.where(pad, dk, 0.0), 0)
-            dfill_v += tl.sum(tl.where(pad, dv, 0.0), 0)
+        dfill_k, dfill_v = _store_key_grads(dk, dv, k_raw if COSINE else k, inv_k if COSINE else scale, scale, dk_ptr,
+                                            dv_ptr, b * sdq_b, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_n,
+                                            real_n, dfill_k, dfill_v, HAS_FILL, COSINE)
+        if BLOCK_T > 0:
+            dfill_k, dfill_v = _store_key_grads(dk_t, dv_t, k_raw_t if COSINE else k_t, inv_k_t if COSINE else scale,
+                                                scale, dk_ptr, dv_ptr, b * sdq_b, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h,
+                                                offs_d, HD, inwin_t, real_t, dfill_k, dfill_v, HAS_FILL, COSINE)
     if NUM_M == 1:
-        tl.store(dbias_base + offs_n[:, None] * BLOCK_N + offs_n[None, :], dbias_acc)
+        tl.store(dbias_base + offs_n[:, None] * COLS + offs_n[None, :], dbias_acc)
     if COSINE:
         tl.store(dqs_ptr + first * NH + h, tl.sum(dq_scale, 0))
     if HAS_FILL:

@@ -92,7 +92,7 @@ def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool,
         shared = compiled.metadata.shared
         rows.append(dict(window=list(window), head_dim=head_dim, dtype=dtype,
                          kernel=("bwd" if backward else "fwd") + (" cosine" if cosine else ""),
-                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], warps=cfg["num_warps"],
+                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_T=cfg["BLOCK_T"], warps=cfg["num_warps"],
                          stages=cfg["STAGES"], precision=constants["PRECISION"], shared=shared,
                          fits=shared <= HOPPER_SHARED_LIMIT,
                          **_ptxas_resources(compiled.asm["ptx"], f"sm_{capability}a")))
@@ -102,8 +102,8 @@ def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool,
 def describe(r: dict) -> str:
     verdict = "fits" if r["fits"] else "EXCEEDS the sm_90 limit"
     return (f"{r['window'][0]}x{r['window'][1]} hd{r['head_dim']} {r['dtype']} {r['kernel']}: BLOCK_M {r['BLOCK_M']} "
-            f"BLOCK_N {r['BLOCK_N']} warps {r['warps']} stages {r['stages']} {r['precision']}; {r['registers']} "
-            f"registers, {r['spill_bytes']} B spill stores; shared {r['shared']} B ({verdict})")
+            f"BLOCK_N {r['BLOCK_N']}+{r['BLOCK_T']} warps {r['warps']} stages {r['stages']} {r['precision']}; "
+            f"{r['registers']} registers, {r['spill_bytes']} B spill stores; shared {r['shared']} B ({verdict})")
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from _inductor_code import data_moving_kernels, moves_only_data
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import swin
-from kernels.flash_window import flash_window_attention, flash_window_attention_image
+from kernels.flash_window import _launch_config, flash_window_attention, flash_window_attention_image
 from swin.attention import WindowAttentionArgs, standard_attention
 from swin.windows import WindowSpec, mask_classes, relative_position_index, shifted_window_mask
 
@@ -90,7 +90,8 @@ CPU_CASES = [
     (2, (2, 2), (7, 7), (0, 0), 2, 32, torch.float16),    # 7x7 unshifted, fp16
     (1, (3, 3), (7, 7), (3, 3), 1, 48, torch.float16),    # 7x7 shifted, head_dim 48
     (1, (2, 2), (8, 8), (4, 4), 1, 16, torch.float32),    # 8x8: one 64-token block
-    (1, (2, 2), (12, 12), (6, 6), 1, 32, torch.float32),  # 144 tokens: several query blocks
+    (1, (2, 2), (12, 12), (6, 6), 1, 32, torch.float32),  # 144 tokens: several query blocks, keys as 128 + 16
+    (1, (2, 2), (9, 9), (4, 4), 2, 16, torch.float16),    # 81 tokens: keys as 64 + 32, 15 of them padding
     (1, (1, 2), (4, 4), (0, 2), 2, 16, torch.float32),    # shift along W only (H was clamped)
 ]
 
@@ -136,11 +137,31 @@ def test_window_op_query_blocks_accumulate_over_windows(sets, monkeypatch):
     check_window_op(2, (2, 3), (5, 5), (2, 2), 2, 16, torch.float32)
 
 
+def test_keys_of_multi_block_windows_split_where_that_pads_less(monkeypatch):
+    """144 tokens take their keys as 128 + 16 (a 256-key tile was 44% padding), 81 as 64 + 32; powers of two and
+    one-block windows stay whole; SWIN_FW_TAIL=0 restores one padded tile."""
+    def keys(area, backward=True):
+        cfg = _launch_config(64, 4, area, 32, torch.device("cpu"), backward=backward)
+        return cfg["BLOCK_N"], cfg["BLOCK_T"]
+    assert keys(144) == keys(144, backward=False) == (128, 16)
+    assert keys(81) == (64, 32)
+    assert keys(256) == (256, 0) and keys(100) == (128, 0) and keys(49) == (64, 0) and keys(64) == (64, 0)
+    monkeypatch.setenv("SWIN_FW_TAIL", "0")
+    assert keys(144) == (256, 0)
+
+
+def test_window_op_without_key_tail(monkeypatch):
+    """The one padded 256-key tile (SWIN_FW_TAIL=0) stays correct: 144-token windows, fp16, bias gradient too."""
+    monkeypatch.setenv("SWIN_FW_TAIL", "0")
+    check_window_op(1, (2, 2), (12, 12), (6, 6), 2, 16, torch.float16)
+
+
 @pytest.mark.parametrize("window,shift", [((7, 7), (3, 3)), ((12, 12), (6, 6))])
 def test_window_op_half_bias_tiles(window, shift, monkeypatch):
-    """HALF_BIAS: the bias-plus-mask tiles in the input's half dtype (as timm's SDPA path adds them); the output and
-    every gradient, the bias table's included (summed in fp32), stay within fp16 tolerance of float64 math."""
-    monkeypatch.setenv("SWIN_FW_HALF_BIAS", "1")
+    """HALF_BIAS (the default): the bias-plus-mask tiles in the input's half dtype (as timm's SDPA path adds them); the
+    output and every gradient, the bias table's included (summed in fp32), stay within fp16 tolerance of float64
+    math."""
+    monkeypatch.delenv("SWIN_FW_HALF_BIAS", raising=False)
     check_window_op(1, (2, 2), window, shift, 2, 16, torch.float16)
     q, k, v, table = make_inputs(1, (2, 2), window, 2, 16, torch.float16, DEVICE)
     half = run_window_op(q, k, v, table, window, shift, (2, 2), 0.25)
@@ -169,6 +190,7 @@ def run_image_op(spec, qkv, qkv_bias, table, scale, cosine_scale=None):
 
 @pytest.mark.parametrize("feat,window,shifted,dtype", [
     ((10, 13), (4, 5), True, torch.float32),   # padded on both axes, shifted
+    ((14, 20), (12, 12), False, torch.float32),  # 144-token windows (keys as 128 + 16), padded keys in both blocks
     ((10, 13), (4, 5), False, torch.float32),  # padded, unshifted: padded keys/values (qkv bias) are attended
     ((8, 8), (4, 4), True, torch.float16),     # exact multiple
 ])
