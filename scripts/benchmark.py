@@ -14,12 +14,13 @@ Per row, on the same synthetic data (random images and labels, fixed seed):
   is ``torch.cuda.max_memory_allocated`` from the first step on (weights, optimizer state and data included;
   CUDA-graph pools, allocated while recording, too).
 
-Rows: ``ours`` is ``swin.create_model(name, attention=...)``; ``timm`` is timm's own Swin of the same name
-(``timm.create_model``; for names timm does not know, e.g. swin_micro, timm's SwinTransformer class with our
-architecture config), with its SDPA path off (``math``: timm's default, TIMM_FUSED_ATTN=0, explicit
-softmax) or on (``sdpa``: what TIMM_FUSED_ATTN=2 selects). timm reads that switch when an attention module is
-built, so it is set with ``timm.layers.set_fused_attn`` before building and then checked on every
-WindowAttention module (``attn.fused_attn``). timm's Swin V2 (``swinv2_*`` names; ``swinv2_micro``: timm's
+Rows: ``ours`` is ``swin.create_model(name, attention=..., fused_mlp_act=...)`` (fused_mlp_act: on, the model's
+default, unless the row says ``fused_mlp_act: false``; such rows are labelled ``-fused_gelu``); ``timm`` is timm's
+own Swin of the same name (``timm.create_model``; for names timm does not know, e.g. swin_micro, timm's
+SwinTransformer class with our architecture config), with its SDPA path off (``math``: timm's default,
+TIMM_FUSED_ATTN=0, explicit softmax) or on (``sdpa``: what TIMM_FUSED_ATTN=2 selects). timm reads that switch when
+an attention module is built, so it is set with ``timm.layers.set_fused_attn`` before building and then checked on
+every WindowAttention module (``attn.fused_attn``). timm's Swin V2 (``swinv2_*`` names; ``swinv2_micro``: timm's
 SwinTransformerV2 class with our config) has explicit attention math only: its ``math`` rows run, its ``sdpa`` /
 ``sdpa_no_cudnn`` rows are skipped (``grid=swinv2`` has none). Compiled rows use ``torch.compile(model,
 dynamic=False)``. Memory and compiled graphs are freed between rows.
@@ -110,12 +111,14 @@ class RowSpec:
     batch_size: int
     precision: str     # bf16 | fp16 | fp32
     compile_mode: str | None = None  # this row's torch.compile mode; None: the config's compile_mode
-    fused_mlp_act: bool = False  # ours: fc1 + GELU in one kernel without gradients (inference)
+    # ours: fc1 + GELU as one cuBLASLt GEMM (GELU epilogue) in bf16/fp16 inference; None: the model's default (on;
+    # timm rows: not theirs)
+    fused_mlp_act: bool | None = None
 
     @property
     def label(self) -> str:
         mode = f"({self.compile_mode})" if self.compile and self.compile_mode else ""
-        fused = " +fused_gelu" if self.fused_mlp_act else ""
+        fused = " -fused_gelu" if self.impl == "ours" and self.fused_mlp_act is False else ""
         return (f"{self.impl}{fused} {self.attention}{' +compile' if self.compile else ''}{mode} b{self.batch_size} "
                 f"{self.precision}")
 
@@ -136,9 +139,11 @@ def expand_grid(grid: DictConfig) -> list[RowSpec]:
         valid = ("standard", "sdpa", "flash_window") if impl == "ours" else ("math", "sdpa", "sdpa_no_cudnn")
         if attention not in valid:
             raise ValueError(f"grid row attention for {impl} must be one of {valid}, got {attention!r}")
-        fused = bool(entry.get("fused_mlp_act", False))
+        fused = entry.get("fused_mlp_act")
         if fused and impl != "ours":
             raise ValueError("grid row fused_mlp_act is a setting of ours (swin.create_model), not of timm's model")
+        # ours: on unless the row turns it off (the model's default); timm: None (not a setting of its model)
+        fused = (True if fused is None else bool(fused)) if impl == "ours" else None
         for compiled in _as_list(entry.get("compile", [False])):
             for batch in _as_list(grid.batch_size):
                 for precision in _as_list(grid.precision):
@@ -163,7 +168,7 @@ def architecture(model_cfg: DictConfig) -> tuple[str, dict[str, Any]]:
     return cfg["name"], arch
 
 
-def create_ours(name: str, arch: dict[str, Any], attention: str, fused_mlp_act: bool = False) -> nn.Module:
+def create_ours(name: str, arch: dict[str, Any], attention: str, fused_mlp_act: bool | None = None) -> nn.Module:
     model = swin.create_model(name, attention=attention, fused_mlp_act=fused_mlp_act, **arch)
     if model.attention != attention:
         raise RuntimeError(f"model reports attention {model.attention!r}, wanted {attention!r}")
@@ -622,7 +627,7 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         compiled = (r.get("compile_mode") or "yes") if r["compile"] else "no"
-        impl = r["impl"] + (" +fused GELU" if r.get("fused_mlp_act") else "")
+        impl = r["impl"] + (" -fused GELU" if r["impl"] == "ours" and r.get("fused_mlp_act") is False else "")
         head = [impl, r["attention"], compiled, str(r["batch_size"]), r["precision"]]
         if "error" in r or "skipped" in r:
             lines.append("| " + " | ".join(head + [r.get("error") or r["skipped"]] + ["-"] * (len(cols) - 6)) + " |")
@@ -644,7 +649,7 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
 
 def _row_label(r: dict[str, Any]) -> str:
     return RowSpec(r["impl"], r["attention"], r["compile"], r["batch_size"], r["precision"],
-                   r.get("compile_mode"), r.get("fused_mlp_act", False)).label
+                   r.get("compile_mode"), r.get("fused_mlp_act")).label
 
 
 def _largest_share(breakdown: dict[str, float]) -> str:

@@ -5,7 +5,7 @@
 #                                         # stage shape (KERNEL_DTYPES="bf16 fp32"; the paper's kernel from .paper/)
 #   bash scripts/gpu_session.sh e2e       # Swin-T end to end: grid=compiled (CUDA graphs and default mode) with the breakdown
 #                                         # (E2E_GRID=autotune: max-autotune against reduce-overhead;
-#                                         # E2E_GRID=fused_gelu: fc1 + GELU in one kernel in inference)
+#                                         # E2E_GRID=fused_gelu: inference with and without the GELU epilogue)
 #   E2E_MODEL=384 bash scripts/gpu_session.sh e2e-base  # Swin-B 384 (or 224) end to end, grid=best
 #   V2_MODEL=swinv2_base_window16_256 V2_BATCH=64 bash scripts/gpu_session.sh e2e-v2  # Swin V2 against timm's V2,
 #                                         # grid=swinv2 (default: swinv2_tiny_window8_256, b64 and b128)
@@ -23,8 +23,9 @@
 #                                         # threads only (~3 min; "--side-stream" adds the side-stream rows)
 #   bash scripts/gpu_session.sh nvjpeg-hw # the GPU's hardware JPEG decoders through nvJPEG (ctypes): rate, host time,
 #                                         # pixels, step time beside them (scripts/probe_nvjpeg_hardware.py, ~2 min)
-#   bash scripts/gpu_session.sh gelu      # tile sweep of kernels/linear_gelu at Swin-T's fc1 shapes beside cuBLAS fc1
-#                                         # (+ GELU) (scripts/tune_linear_gelu.py; GELU_ARGS="--model base --batch 64")
+#   bash scripts/gpu_session.sh gelu      # cuBLAS fc1, fc1 + GELU and fc1 with cuBLASLt's GELU epilogue at Swin-T's fc1
+#                                         # shapes: times, errors vs float64 (scripts/bench_fc1_gelu.py;
+#                                         # GELU_ARGS="--model base --batch 64 --dtype fp16")
 # Hydra is missing on the device machine: carry .whl (../shared/device-wheels/, see its README).
 set -uo pipefail
 case "${1:-}" in
@@ -46,9 +47,10 @@ case "${1:-}" in
   tests)
     # pytest-xdist (carry its wheel and execnet's in .whl): Triton compiles every case's kernels, on 8 cores at once.
     # The tests that touch the GPU: the kernel files, V2's flash tests and its CPB table under autocast (torch 2.11's dynamo
-    # broke the graph there; tests/test_model.py runs on the CPU only: its timm comparisons are CI's, 200 s of CPU each)
-    python -m pytest -q -n 8 --durations=10 tests/test_flash_window.py tests/test_swinv2.py tests/test_linear_gelu.py \
-      -k "flash or gpu or linear_gelu or autocast" 2>&1 \
+    # broke the graph there), the GELU epilogue's (tests/test_mlp_act.py: test_gpu_*; tests/test_model.py runs on the CPU
+    # only: its timm comparisons are CI's, 200 s of CPU each)
+    python -m pytest -q -n 8 --durations=10 tests/test_flash_window.py tests/test_swinv2.py tests/test_mlp_act.py \
+      -k "flash or gpu or autocast" 2>&1 \
       | tee "$OUT/gpu_tests.txt"
     # the training step never syncs (CUDA sync debug mode), the side-stream loader keeps batches intact
     python -m pytest -q -m gpu tests/test_train_guard.py tests/test_data.py 2>&1 | tee "$OUT/gpu_loop_tests.txt" ;;
@@ -102,7 +104,7 @@ case "${1:-}" in
   contention)
     python scripts/bench_decode_contention.py --trace ${CONTENTION_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
   gelu)
-    python scripts/tune_linear_gelu.py ${GELU_ARGS:-} 2>&1 | tee "$OUT/tune_linear_gelu.md" ;;
+    python scripts/bench_fc1_gelu.py ${GELU_ARGS:-} 2>&1 | tee "$OUT/bench_fc1_gelu.md" ;;
   nvjpeg-hw)
     python scripts/probe_nvjpeg_hardware.py 2>&1 | grep -v Warning | tee "$OUT/nvjpeg_hw.md" ;;
   data)

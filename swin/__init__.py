@@ -66,7 +66,8 @@ def create_model(name: str, pretrained: str | bool | None = None, **overrides: A
     Overrides: attention, num_classes, img_size, window_size, patch_size, embed_dim, depths,
     num_heads, drop_path_rate, drop_rate, mlp_ratio, in_chans, qkv_bias, dynamic_img_size,
     recompute_mlp_act (default True: the MLP GELU output is recomputed in backward, not saved), fused_mlp_act
-    (default False: without gradients, fc1 and GELU in one kernel on CUDA; kernels.linear_gelu), and for
+    (default True: without gradients in bf16/fp16 on CUDA, fc1 and GELU as one cuBLASLt GEMM with its GELU epilogue;
+    swin.model.fc1_gelu_epilogue), and for
     Swin V2 (``swinv2_*``) pretrained_window_sizes (one per stage; 0: the stage's own window).
     ``pretrained``: a checkpoint file (timm, official Microsoft or ours), or ``timm:<name.tag>``.
     """

@@ -24,6 +24,7 @@ class ModelConfig:
 
     name: str = MISSING
     attention: str = MISSING
+    fused_mlp_act: bool = MISSING
     pretrained: str | None = MISSING
     num_classes: int | None = MISSING
     # an int or [height, width], as create_model takes them (OmegaConf has no int-or-list type: check_config checks)
@@ -191,7 +192,8 @@ class GridRow:
     attention: str = MISSING
     compile: list[bool] = field(default_factory=lambda: [False])
     compile_mode: str | None = None  # None: the benchmark's compile_mode
-    fused_mlp_act: bool = False  # ours only: fc1 + GELU in one kernel without gradients (kernels.linear_gelu)
+    fused_mlp_act: bool | None = None  # ours only: fc1 + GELU as one cuBLASLt GEMM in inference; None: the model's
+                                       # default (on)
 
 
 @dataclass

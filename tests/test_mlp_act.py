@@ -1,0 +1,251 @@
+"""fused_mlp_act: fc1 + GELU as one GEMM with cuBLASLt's GELU epilogue (swin.model.fc1_gelu_epilogue).
+
+CPU (CI): the epilogue never runs on the CPU, in float32 or with gradients; the model's logits and gradients are the
+unfused model's exactly; the flag round-trips through create_model, set_fused_mlp_act and the Hydra model config.
+With the CPU added to swin.model.EPILOGUE_DEVICES (there torch._addmm_activation is addmm then exact GELU) the
+path's own logic runs: which inputs take it, autocast's casts, shapes, and tracing with fullgraph=True.
+GPU (``-m gpu`` / ``-k gpu``): the epilogue's error against float64 exact GELU(fc1(x)) is the unfused half path's,
+at op level and for the compiled Swin-T, whose generated code calls it and runs no stand-alone GELU kernel.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from _inductor_code import triton_kernels
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import swin
+import swin.model as swin_model
+from swin.model import fc1_gelu_epilogue
+
+EPILOGUE_OP = "_addmm_activation"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class OpLog(TorchDispatchMode):
+    """Counts the aten ops a region dispatches (after autocast), by name without overload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def n_blocks(model: nn.Module) -> int:
+    return sum(len(stage.blocks) for stage in model.layers)
+
+
+def model_pair(name: str = "swin_micro", device: str = "cpu", **kwargs) -> tuple[nn.Module, nn.Module]:
+    """(unfused, fused) models with the same weights, perturbed so that no bias is zero."""
+    plain = swin.create_model(name, fused_mlp_act=False, drop_path_rate=0.0, **kwargs)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    fused = swin.create_model(name, drop_path_rate=0.0, **kwargs)
+    fused.load_state_dict(plain.state_dict())
+    return plain.to(device).eval(), fused.to(device).eval()
+
+
+def autocast_or_not(device: str, dtype: torch.dtype | None):
+    return torch.autocast(device, dtype=dtype, enabled=dtype is not None)
+
+
+# --- CPU ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "autocast-bf16"])
+def test_cpu_inference_is_the_unfused_model(amp):
+    """On the CPU the flag changes nothing: the same logits, bit for bit, and no epilogue op."""
+    plain, fused = model_pair(attention="standard")
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad(), autocast_or_not("cpu", amp):
+        want = plain(x)
+        with OpLog() as log:
+            got = fused(x)
+    assert EPILOGUE_OP not in log.counts
+    assert torch.equal(got, want)
+
+
+def test_flag_round_trips():
+    """On by default; create_model(fused_mlp_act=False), set_fused_mlp_act and model.fused_mlp_act (Hydra) set it on
+    every block."""
+    from _train_utils import make_cfg  # Hydra: imported here, the GPU tests do without it
+    from omegaconf import OmegaConf
+
+    from swin.distributed import DistInfo
+    from swin.engine import _build_model
+
+    def flags(model: nn.Module) -> set[bool]:
+        return {b.fused_mlp_act for stage in model.layers for b in stage.blocks}
+
+    assert flags(swin.create_model("swin_micro")) == {True}
+    model = swin.create_model("swin_micro", fused_mlp_act=False)
+    assert flags(model) == {False}
+    assert model.set_fused_mlp_act(True) is model and flags(model) == {True}
+    assert flags(model.set_fused_mlp_act(False)) == {False}
+    dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    assert make_cfg().model.fused_mlp_act is True
+    cfg = make_cfg("model.fused_mlp_act=false")
+    assert flags(_build_model(cfg, dist, num_classes=10)) == {False}
+    assert flags(_build_model(make_cfg(), dist, num_classes=10)) == {True}
+    assert OmegaConf.to_container(cfg.model)["fused_mlp_act"] is False
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "autocast-bf16"])
+def test_training_step_unaffected(monkeypatch, amp):
+    """A training step never takes the epilogue (it has no backward), even where it would run without gradients
+    (the CPU added to its devices): the unfused model's loss and gradients, bit for bit."""
+    monkeypatch.setattr(swin_model, "EPILOGUE_DEVICES", ("cuda", "cpu"))
+    plain, fused = model_pair(attention="standard")
+    plain.train()
+    fused.train()
+    x, y = torch.randn(2, 3, 16, 16), torch.randint(0, plain.num_classes, (2,))
+    with autocast_or_not("cpu", amp):
+        loss_plain = F.cross_entropy(plain(x), y)
+        with OpLog() as log:
+            loss_fused = F.cross_entropy(fused(x), y)
+    loss_plain.backward()
+    loss_fused.backward()
+    assert EPILOGUE_OP not in log.counts
+    assert torch.equal(loss_fused, loss_plain)
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def _fc1(k: int, dtype: torch.dtype = torch.float32, device: str = "cpu", bias: bool = True) -> nn.Linear:
+    fc1 = nn.Linear(k, 4 * k, bias=bias, device=device, dtype=dtype)
+    with torch.no_grad():
+        fc1.weight.copy_(torch.randn_like(fc1.weight) * k ** -0.5)
+        if bias:
+            fc1.bias.copy_(torch.randn_like(fc1.bias))
+    return fc1
+
+
+def test_which_inputs_take_the_epilogue(monkeypatch):
+    """With the CPU among the epilogue's devices: half precision without gradients takes it (autocast, or half
+    inputs and weights), with autocast's casts and the input's leading shape; float32, float64 under autocast, mixed
+    dtypes, gradients, fc1 without bias or another activation than nn.GELU fall back (None)."""
+    monkeypatch.setattr(swin_model, "EPILOGUE_DEVICES", ("cuda", "cpu"))
+    fc1, gelu = _fc1(24), nn.GELU()
+    x = torch.randn(2, 3, 5, 24)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fc1_gelu_epilogue(x, fc1, gelu)
+            want = gelu(fc1(x))
+            assert fc1_gelu_epilogue(x, fc1, nn.GELU(approximate="tanh")) is not None
+            assert fc1_gelu_epilogue(x.double(), fc1, gelu) is None  # autocast leaves float64 alone
+        assert y.shape == (2, 3, 5, 96) and y.dtype == torch.bfloat16
+        assert rel_err(y, want) < 1e-2
+        half = _fc1(24, torch.bfloat16)
+        assert fc1_gelu_epilogue(x.bfloat16(), half, gelu).dtype == torch.bfloat16
+        assert fc1_gelu_epilogue(x, half, gelu) is None  # mixed dtypes: F.linear's error, not ours
+        assert fc1_gelu_epilogue(x, fc1, gelu) is None  # float32 keeps the exact GELU
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert fc1_gelu_epilogue(x, _fc1(24, bias=False), gelu) is None
+            assert fc1_gelu_epilogue(x, fc1, nn.ReLU()) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fc1_gelu_epilogue(x, fc1, gelu) is None  # gradients on
+    monkeypatch.setattr(swin_model, "EPILOGUE_DEVICES", ("cuda",))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fc1_gelu_epilogue(x, fc1, gelu) is None  # the CPU is not an epilogue device
+
+
+def test_model_path_traces_with_fullgraph(monkeypatch):
+    """With the CPU among the epilogue's devices, the fused model under autocast and no_grad calls the epilogue once
+    per block, compiles with fullgraph=True (no graph break in the autocast queries), and gives the unfused logits
+    to bf16 precision."""
+    monkeypatch.setattr(swin_model, "EPILOGUE_DEVICES", ("cuda", "cpu"))
+    plain, fused = model_pair(attention="standard")
+    x = torch.randn(2, 3, 16, 16)
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True, backend="eager")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = plain(x)
+        with OpLog() as log:
+            got = fused(x)
+        got_compiled = compiled(x)
+    assert log.counts.get(EPILOGUE_OP) == n_blocks(fused)
+    assert rel_err(got, want) < 1e-2 and rel_err(got_compiled, want) < 1e-2
+    torch._dynamo.reset()
+
+
+# --- GPU ------------------------------------------------------------------------------------------------------------
+
+def _errors(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(relative L2, max abs) error against a float64 reference."""
+    diff = y.double() - ref
+    return (diff.norm() / ref.norm()).item(), diff.abs().max().item()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("k", [96, 192, 384, 768])  # Swin-T's fc1 inputs
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("autocast", [False, True], ids=["half-weights", "autocast"])
+def test_gpu_epilogue_error_is_the_unfused_half_paths(k, dtype, autocast):
+    """cuBLASLt's tanh GELU on the fp32 accumulator, rounded once, against float64 exact GELU(fc1(x)): relative L2
+    error within 1.1x of fc1 + exact GELU in the same precision, max abs within 1.5x."""
+    param_dtype = torch.float32 if autocast else dtype
+    fc1, gelu = _fc1(k, param_dtype, "cuda"), nn.GELU()
+    x = torch.randn(8, 23, 29, k, device="cuda", dtype=param_dtype)
+    with torch.no_grad(), autocast_or_not("cuda", dtype if autocast else None):
+        y = fc1_gelu_epilogue(x, fc1, gelu)
+        unfused = gelu(fc1(x))
+    assert y is not None and y.dtype == dtype and y.shape == unfused.shape == (8, 23, 29, 4 * k)
+    # exact math on the half-precision values both paths multiply (autocast rounds x, weight and bias alike)
+    ref = F.gelu(F.linear(*(t.to(dtype).double() for t in (x, fc1.weight, fc1.bias))))
+    (rel, max_abs), (rel_unfused, max_abs_unfused) = _errors(y, ref), _errors(unfused, ref)
+    assert rel <= 1.1 * rel_unfused + 1e-6, (rel, rel_unfused)
+    assert max_abs <= 1.5 * max_abs_unfused, (max_abs, max_abs_unfused)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_compiled_bf16_model_uses_the_epilogue():
+    """Swin-T, bf16 autocast, no_grad, torch.compile(fullgraph=True): fused and unfused logits equally close to the
+    model's float32 logits; the fused model's generated code calls _addmm_activation and has no GELU kernel left,
+    the unfused one's has GELU kernels and no epilogue."""
+    from torch._inductor.utils import run_and_get_code
+
+    plain, fused = model_pair("swin_tiny_patch4_window7_224", "cuda", attention="sdpa")
+    x = torch.randn(4, 3, 224, 224, device="cuda")
+    with torch.no_grad():
+        ref = plain(x).double()
+    results = {}
+    for name, model in (("plain", plain), ("fused", fused)):
+        torch._dynamo.reset()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            out, code = run_and_get_code(torch.compile(model, fullgraph=True), x)
+        results[name] = (rel_err(out, ref), "\n".join(code))
+    torch._dynamo.reset()
+    (err_plain, code_plain), (err_fused, code_fused) = results["plain"], results["fused"]
+    assert err_fused <= 1.25 * err_plain + 1e-3, (err_fused, err_plain)
+    assert EPILOGUE_OP in code_fused and EPILOGUE_OP not in code_plain
+    gelu_kernels = {name: [k for k in triton_kernels([code]) if "gelu" in k]
+                    for name, code in (("plain", code_plain), ("fused", code_fused))}
+    assert gelu_kernels["plain"], "the unfused model's code has no GELU kernel: the check below proves nothing"
+    assert not gelu_kernels["fused"], gelu_kernels["fused"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_float32_model_keeps_exact_gelu():
+    """A float32 CUDA model (no autocast) with the flag on runs fc1 and the exact GELU: no epilogue op, the unfused
+    model's logits."""
+    plain, fused = model_pair("swin_tiny_patch4_window7_224", "cuda", attention="sdpa")
+    x = torch.randn(2, 3, 224, 224, device="cuda")
+    with torch.no_grad():
+        want = plain(x)
+        with OpLog() as log:
+            got = fused(x)
+    assert EPILOGUE_OP not in log.counts and log.counts.get("gelu") == n_blocks(fused)
+    assert rel_err(got, want) < 1e-6
