@@ -88,30 +88,37 @@ def _tuning(name: str, default: int) -> int:
     return int(os.environ.get(f"SWIN_FW_{name}", default))
 
 
+def _key_blocks(window_area: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_T): a window's keys as one power-of-two tile, or, for windows of more than 64 tokens that
+    are at most 16 past a power of two, as that power of two plus a 16-key tail: 144 tokens (12x12) as 128 + 16
+    keys instead of 256 (44% padding in every product, exp and bias-tile byte). Wider tails cost the backward more
+    registers than they save (9x9 as 64 + 32: 255 registers and spills against 206 for one 128-key tile, ptxas
+    sm_90a). SWIN_FW_TAIL=0: one tile."""
+    block_n = max(16, triton.next_power_of_2(window_area))
+    head = block_n // 2
+    if block_n > 64 and window_area - head <= 16 and _tuning("TAIL", 1):
+        return head, 16
+    return block_n, 0
+
+
 def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: int, device: torch.device,
                    backward: bool = False, itemsize: int = 2) -> dict:
-    block_n = max(16, triton.next_power_of_2(window_area))
-    # windows of more than 64 tokens take 16-row query blocks: with 32 or 64 rows the (rows, 128 or 256)
-    # score tiles spill registers or overflow shared memory (H100, Swin-B 384 stage 1, bf16)
-    block_m = block_n if block_n <= 64 else 16
+    block_n, block_t = _key_blocks(window_area)
+    # windows of up to 64 tokens are one query block. Larger ones take 16-row query blocks: with 32 or 64 rows the
+    # (rows, 128 or 256) score tiles spill registers or overflow shared memory; except the 16-bit forward of split
+    # keys, 64 rows (H100, Swin-B 384 bf16: 12x12 forward 0.74 -> 0.50 ms; the backward is slower with 32 rows)
+    block_m = block_n if window_area <= 64 else (64 if block_t and itemsize == 2 and not backward else 16)
     block_m = min(block_n, _tuning("BWD_BLOCK_M" if backward else "BLOCK_M", block_m))
     num_m = triton.cdiv(window_area, block_m)
-    # windows of several query blocks take their keys in two blocks, a power of two and a tail, where that pads
-    # less: 144 tokens (12x12) as 128 + 16 instead of one 256-key tile (44% of whose columns were padding)
-    block_t = 0
-    if num_m > 1 and _tuning("TAIL", 1):
-        head = triton.next_power_of_2(window_area) // 2
-        tail = max(16, triton.next_power_of_2(window_area - head))
-        if head + tail < block_n:
-            block_n, block_t = head, tail
+    assert num_m > 1 or not block_t, "split keys need query blocks of their own (the one-block path reuses the keys)"
     # forward, one-block windows: 32 programs per SM, each looping over windows with the next window's loads
     # pipelined (STAGES=2); several query blocks: one program per window and head (0). Backward: 4 programs
-    # per SM, each looping over windows, as each writes a bias-gradient tile the caller sums (H100, bf16,
-    # scripts/tune_flash_window.py, docs/benchmarks.md). The interpreter (CPU) runs programs one after the
-    # other: 4 programs per head keep tests quick.
+    # per SM (2 for split keys), each looping over windows, as each writes a bias-gradient tile the caller sums
+    # (H100, bf16, scripts/tune_flash_window.py, docs/benchmarks.md). The interpreter (CPU) runs programs one after
+    # the other: 4 programs per head keep tests quick.
     cuda = device.type == "cuda"
     if backward:
-        per_sm = _tuning("BWD_PROGRAMS_PER_SM", 4)
+        per_sm = _tuning("BWD_PROGRAMS_PER_SM", 2 if block_t else 4)
     else:
         per_sm = _tuning("PROGRAMS_PER_SM", (32 if num_m == 1 else 0) if cuda else 4)
     budget = _num_sms(device.index or 0) * per_sm // heads if cuda else per_sm
@@ -120,10 +127,11 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     # (a 128-token fp32 window of head_dim 128 would need 311 KB of shared memory)
     block_d = max(16, triton.next_power_of_2(head_dim))
     stages = 2 if (num_m == 1 and not backward and block_n * block_d * itemsize <= 32768) else 1
-    # the backward of windows over 128 tokens: 8 warps for one padded tile or fp32 (measured on the H100: 10x10 and
-    # 12x12 windows), 4 for 16-bit keys split in two (12x12, bf16: 2 programs of 253 registers per SM, 25% faster)
+    # the backward of windows over 128 tokens: 8 warps for one padded tile, fp32 or wide heads (measured on the H100:
+    # 10x10 and 12x12 windows), 4 for 16-bit keys split in two (12x12, bf16, head_dim 32: 2 programs of 253 registers
+    # per SM, 25% faster)
     wide = window_area > 128 and backward
-    default_warps = 8 if wide and not (block_t and itemsize == 2) else 4
+    default_warps = 8 if wide and not (block_t and itemsize == 2 and block_d <= 32) else 4
     return dict(sets=sets, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d,
                 NUM_M=num_m, num_warps=_tuning("BWD_WARPS" if backward else "WARPS", default_warps),
                 STAGES=_tuning("BWD_STAGES" if backward else "STAGES", stages),
@@ -134,10 +142,11 @@ def kernel_constants(cfg: dict, window: tuple[int, int], masked: bool, has_fill:
                      cosine: bool = False) -> dict:
     """The kernels' constexpr arguments for a launch config (also used by scripts/kernel_resources.py)."""
     tiling = {k: v for k, v in cfg.items() if k not in ("sets", "num_warps")}
-    # fp32: three tf32 products per product (about fp32 accuracy on tensor cores) for tiles of up to 64 x 64;
-    # larger ones do not fit in shared memory that way on sm_90 (10x10 windows of head_dim 128: 311 KB) and
-    # take exact fp32 FMAs (scripts/kernel_resources.py)
-    small = (cfg["BLOCK_N"] + cfg["BLOCK_T"]) * cfg["BLOCK_D"] <= 4096
+    # fp32: three tf32 products per product (about fp32 accuracy on tensor cores) for key tiles of up to 4608
+    # elements (64 x 64, or 12x12 windows' 128 + 16 keys of 32 channels: 2.2x faster forward+backward than exact
+    # FMAs on the H100); larger ones do not fit in shared memory that way on sm_90 (10x10 windows of head_dim 128:
+    # 311 KB) and take exact fp32 FMAs (scripts/kernel_resources.py)
+    small = (cfg["BLOCK_N"] + cfg["BLOCK_T"]) * cfg["BLOCK_D"] <= 4608
     fp32 = os.environ.get("SWIN_FW_FP32_PRECISION", "tf32x3" if small else "ieee")
     return dict(WH=window[0], WW=window[1], MASKED=masked, HAS_FILL=has_fill, COSINE=cosine,
                 PRECISION=fp32 if dtype == torch.float32 else "tf32", **tiling)

@@ -91,7 +91,7 @@ CPU_CASES = [
     (1, (3, 3), (7, 7), (3, 3), 1, 48, torch.float16),    # 7x7 shifted, head_dim 48
     (1, (2, 2), (8, 8), (4, 4), 1, 16, torch.float32),    # 8x8: one 64-token block
     (1, (2, 2), (12, 12), (6, 6), 1, 32, torch.float32),  # 144 tokens: several query blocks, keys as 128 + 16
-    (1, (2, 2), (9, 9), (4, 4), 2, 16, torch.float16),    # 81 tokens: keys as 64 + 32, 15 of them padding
+    (1, (2, 2), (8, 9), (4, 4), 2, 16, torch.float16),    # 72 tokens: keys as 64 + 16, 8 of them padding
     (1, (1, 2), (4, 4), (0, 2), 2, 16, torch.float32),    # shift along W only (H was clamped)
 ]
 
@@ -138,14 +138,14 @@ def test_window_op_query_blocks_accumulate_over_windows(sets, monkeypatch):
 
 
 def test_keys_of_multi_block_windows_split_where_that_pads_less(monkeypatch):
-    """144 tokens take their keys as 128 + 16 (a 256-key tile was 44% padding), 81 as 64 + 32; powers of two and
-    one-block windows stay whole; SWIN_FW_TAIL=0 restores one padded tile."""
+    """144 tokens take their keys as 128 + 16 (a 256-key tile was 44% padding), 72 as 64 + 16; powers of two,
+    one-block windows and windows more than 16 past a power of two stay whole; SWIN_FW_TAIL=0 restores one tile."""
     def keys(area, backward=True):
         cfg = _launch_config(64, 4, area, 32, torch.device("cpu"), backward=backward)
         return cfg["BLOCK_N"], cfg["BLOCK_T"]
     assert keys(144) == keys(144, backward=False) == (128, 16)
-    assert keys(81) == (64, 32)
-    assert keys(256) == (256, 0) and keys(100) == (128, 0) and keys(49) == (64, 0) and keys(64) == (64, 0)
+    assert keys(72) == (64, 16)
+    assert keys(256) == (256, 0) and keys(81) == (128, 0) and keys(49) == (64, 0) and keys(64) == (64, 0)
     monkeypatch.setenv("SWIN_FW_TAIL", "0")
     assert keys(144) == (256, 0)
 
@@ -561,6 +561,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 @pytest.mark.parametrize("window,heads,head_dim,dtype", [
     ((7, 7), 3, 32, BF16), ((7, 7), 3, 32, FP16), ((7, 7), 3, 32, FP32), ((7, 7), 6, 16, FP16),
     ((8, 8), 4, 48, BF16), ((12, 12), 4, 32, BF16), ((12, 12), 4, 32, FP32), ((16, 16), 2, 64, BF16),
+    ((8, 9), 2, 32, BF16), ((12, 12), 2, 64, FP16),  # keys as 64 + 16; 128 + 16 with the 8-warp backward
     ((6, 10), 2, 128, BF16), ((6, 10), 2, 128, FP32),
     ((10, 10), 2, 128, BF16), ((10, 10), 2, 128, FP32),  # 128-token tile, widest head
 ])  # every tile shape and dtype; each case compiles four kernels, so not the full product (GPU file < 5 min)
