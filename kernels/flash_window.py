@@ -114,8 +114,8 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     # forward, one-block windows: 32 programs per SM, each looping over windows with the next window's loads
     # pipelined (STAGES=2); several query blocks: one program per window and head (0). Backward: 4 programs
     # per SM (2 for split keys), each looping over windows, as each writes a bias-gradient tile the caller sums
-    # (H100, bf16, scripts/tune_flash_window.py, docs/benchmarks.md). The interpreter (CPU) runs programs one after
-    # the other: 4 programs per head keep tests quick.
+    # (H100, bf16 with head_dim 32, scripts/tune_flash_window.py, docs/benchmarks.md). The interpreter (CPU) runs
+    # programs one after the other: 4 programs per head (2 with split keys) keep tests quick.
     cuda = device.type == "cuda"
     if backward:
         per_sm = _tuning("BWD_PROGRAMS_PER_SM", 2 if block_t else 4)

@@ -26,7 +26,7 @@ gradient per program (a (programs,) buffer the caller sums), so the normalisatio
 
 Programs take one head and a strided set of windows each (one window each in the forward by default).
 The backward sums the bias gradient of its windows on chip and writes it once per program (a small
-(programs, rows, BLOCK_N) buffer, summed by the caller): no atomics per window and element.
+(programs, heads, rows, BLOCK_N + BLOCK_T) buffer, summed by the caller): no atomics per window and element.
 """
 import triton
 import triton.language as tl

@@ -129,8 +129,9 @@ def _as_list(value: Any) -> list:
     return [value]
 
 
-def expand_grid(grid: DictConfig) -> list[RowSpec]:
-    """Rows in config order; each entry expands over compile x batch_size x precision."""
+def expand_grid(grid: DictConfig, fused_mlp_act: bool = True) -> list[RowSpec]:
+    """Rows in config order; each entry expands over compile x batch_size x precision. fused_mlp_act: ours' rows
+    that do not set it (the model config's model.fused_mlp_act)."""
     specs = []
     for entry in grid.rows:
         impl, attention = str(entry.impl), str(entry.attention)
@@ -140,10 +141,10 @@ def expand_grid(grid: DictConfig) -> list[RowSpec]:
         if attention not in valid:
             raise ValueError(f"grid row attention for {impl} must be one of {valid}, got {attention!r}")
         fused = entry.get("fused_mlp_act")
-        if fused and impl != "ours":
+        if fused is not None and impl != "ours":
             raise ValueError("grid row fused_mlp_act is a setting of ours (swin.create_model), not of timm's model")
-        # ours: on unless the row turns it off (the model's default); timm: None (not a setting of its model)
-        fused = (True if fused is None else bool(fused)) if impl == "ours" else None
+        # ours: the row's setting, else the model config's; timm: None (not a setting of its model)
+        fused = (fused_mlp_act if fused is None else bool(fused)) if impl == "ours" else None
         for compiled in _as_list(entry.get("compile", [False])):
             for batch in _as_list(grid.batch_size):
                 for precision in _as_list(grid.precision):
@@ -746,7 +747,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         torch.set_float32_matmul_precision("high")
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
     name, arch = architecture(cfg.model)
-    specs = expand_grid(cfg.grid)
+    specs = expand_grid(cfg.grid, bool(cfg.model.get("fused_mlp_act", True)))
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment(device)
     probe = swin.create_model(name, **arch)

@@ -42,7 +42,7 @@ def _signature(fn, constants: dict, data_ptr: str) -> dict[str, str]:
     for name in fn.arg_names:
         if name in constants:
             sig[name] = "constexpr"
-        elif name == "tiles_ptr":  # the bias tiles: fp32 unless the HALF_BIAS knob makes them the data's dtype
+        elif name == "tiles_ptr":  # the bias tiles: the data's half dtype unless SWIN_FW_HALF_BIAS=0 (fp32)
             sig[name] = "*fp32" if tile_dtype(torch.bfloat16) == torch.float32 else data_ptr
         elif name.endswith("_ptr"):
             sig[name] = "*fp32" if name in FP32_POINTERS else data_ptr

@@ -143,9 +143,13 @@ def test_benchmark_fused_gelu_rows(tmp_path):
     grid = OmegaConf.create({"batch_size": [2], "precision": ["fp32"],
                              "rows": [{"impl": "ours", "attention": "sdpa"}, {"impl": "timm", "attention": "sdpa"}]})
     assert [s.fused_mlp_act for s in expand_grid(grid)] == [True, None]
-    grid.rows.append({"impl": "timm", "attention": "sdpa", "fused_mlp_act": True})
-    with pytest.raises(ValueError, match="fused_mlp_act is a setting of ours"):
-        expand_grid(grid)
+    # rows that do not set it take the model config's model.fused_mlp_act
+    assert [s.fused_mlp_act for s in expand_grid(grid, fused_mlp_act=False)] == [False, None]
+    for value in (True, False):  # timm's model has no such setting, whatever the value
+        bad = OmegaConf.create({**OmegaConf.to_container(grid),
+                                "rows": [{"impl": "timm", "attention": "sdpa", "fused_mlp_act": value}]})
+        with pytest.raises(ValueError, match="fused_mlp_act is a setting of ours"):
+            expand_grid(bad)
 
 
 @pytest.mark.parametrize("grid", sorted(p.stem for p in (ROOT / "configs/grid").glob("*.yaml")))

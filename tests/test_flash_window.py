@@ -223,6 +223,7 @@ def test_image_op_matches_partitioned_reference(feat, window, shifted, dtype):
 @pytest.mark.parametrize("feat,window,shifted,dtype", [
     ((10, 13), (4, 5), False, torch.float32),  # padded: padded keys hold the raw k bias, normalised like the rest
     ((18, 20), (9, 9), True, torch.float32),   # 81-token windows: several query blocks per window
+    ((14, 20), (12, 12), True, torch.float32),  # 144-token windows: keys as 128 + 16, both blocks normalised
     ((8, 8), (4, 4), True, torch.float16),
 ])
 def test_image_op_cosine_matches_reference(feat, window, shifted, dtype):
@@ -374,7 +375,8 @@ def test_compile_sees_kernels_write_only_their_outputs():
 # (window, head_dim, dtype) of every launch configuration the GPU tests below and the Swin models use
 _HOPPER_CASES = [((7, 7), 32, "bf16"), ((7, 7), 32, "fp32"), ((7, 7), 16, "bf16"), ((8, 8), 48, "bf16"),
                  ((12, 12), 32, "bf16"), ((12, 12), 32, "fp32"), ((16, 16), 64, "bf16"), ((6, 10), 128, "bf16"),
-                 ((6, 10), 128, "fp32"), ((10, 10), 128, "bf16"), ((10, 10), 128, "fp32")]
+                 ((6, 10), 128, "fp32"), ((10, 10), 128, "bf16"), ((10, 10), 128, "fp32"), ((8, 9), 32, "bf16"),
+                 ((12, 12), 64, "fp16")]
 _RESOURCES_PROBE = textwrap.dedent("""
     import json, sys
     from concurrent.futures import ProcessPoolExecutor

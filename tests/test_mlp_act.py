@@ -167,13 +167,22 @@ def test_model_path_traces_with_fullgraph(monkeypatch):
     plain, fused = model_pair(attention="standard")
     x = torch.randn(2, 3, 16, 16)
     torch._dynamo.reset()
-    compiled = torch.compile(fused, fullgraph=True, backend="eager")
+    graphs = []
+
+    def recording_backend(gm, example_inputs):  # keeps the traced graph, runs it as is
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(fused, fullgraph=True, backend=recording_backend)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         want = plain(x)
         with OpLog() as log:
             got = fused(x)
         got_compiled = compiled(x)
     assert log.counts.get(EPILOGUE_OP) == n_blocks(fused)
+    traced = [node for gm in graphs for node in gm.graph.nodes
+              if getattr(node.target, "__name__", str(node.target)) == EPILOGUE_OP]
+    assert len(traced) == n_blocks(fused)  # the compiled graph takes the epilogue too, not the unfused fallback
     assert rel_err(got, want) < 1e-2 and rel_err(got_compiled, want) < 1e-2
     torch._dynamo.reset()
 
