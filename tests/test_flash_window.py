@@ -573,6 +573,15 @@ def test_gpu_window_op(window, heads, head_dim, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shifted", [True, False])
+def test_gpu_image_op_split_keys_bf16(shifted):
+    """12x12 windows in bf16 on the GPU (keys as 128 + 16, 64-row forward query blocks, 4-warp backward; the
+    interpreter's bf16 is not to be trusted), padded images: the plain and Swin V2's cosine image op against float64."""
+    test_image_op_matches_partitioned_reference((14, 20), (12, 12), shifted, BF16)
+    test_image_op_cosine_matches_reference((14, 20), (12, 12), shifted, BF16)
+
+
+@pytest.mark.gpu
 def test_gpu_many_windows():
     """More than 65,535 windows x heads: the grid loops over windows."""
     check_window_op(256, (8, 8), (7, 7), (3, 3), 6, 32, torch.bfloat16, "cuda")
