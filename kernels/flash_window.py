@@ -134,6 +134,9 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     default_warps = 8 if wide and not (block_t and itemsize == 2 and block_d <= 32) else 4
     return dict(sets=sets, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d,
                 NUM_M=num_m, num_warps=_tuning("BWD_WARPS" if backward else "WARPS", default_warps),
+                # a register cap per thread (0: none), for more programs per SM at the price of spills: a tuning knob
+                # of eager calls (torch.compile's wrap_triton does not pass maxnreg to the launch: ignored there)
+                maxnreg=_tuning("BWD_MAXNREG" if backward else "MAXNREG", 0),
                 STAGES=_tuning("BWD_STAGES" if backward else "STAGES", stages),
                 HEAD_MINOR=_tuning("BWD_HEAD_MINOR" if backward else "HEAD_MINOR", 1))
 
@@ -141,7 +144,7 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
 def kernel_constants(cfg: dict, window: tuple[int, int], masked: bool, has_fill: bool, dtype: torch.dtype,
                      cosine: bool = False) -> dict:
     """The kernels' constexpr arguments for a launch config (also used by scripts/kernel_resources.py)."""
-    tiling = {k: v for k, v in cfg.items() if k not in ("sets", "num_warps")}
+    tiling = {k: v for k, v in cfg.items() if k not in ("sets", "num_warps", "maxnreg")}
     # fp32: three tf32 products per product (about fp32 accuracy on tensor cores) for key tiles of up to 4608
     # elements (64 x 64, or 12x12 windows' 128 + 16 keys of 32 channels: 2.2x faster forward+backward than exact
     # FMAs on the H100); larger ones do not fit in shared memory that way on sm_90 (10x10 windows of head_dim 128:
@@ -195,7 +198,9 @@ def _launch_plan(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry, mas
     cfg = _launch_config(geo.total_windows, heads, geo.area, head_dim, x.device, backward=backward,
                          itemsize=x.element_size())
     keywords = kernel_constants(cfg, geo.window, mask is not None, fill is not None, x.dtype, q_scale is not None)
-    return cfg, {**keywords, "num_warps": cfg["num_warps"]}
+    capped = cfg["maxnreg"] and not torch.compiler.is_compiling()
+    launch = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if capped else {})}
+    return cfg, {**keywords, **launch}
 
 
 def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:

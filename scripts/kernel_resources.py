@@ -88,7 +88,7 @@ def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool,
                       or (name == "HD" and head_dim % 16 == 0))}
         source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                                  options=dict(num_warps=cfg["num_warps"]))
+                                  options=dict(num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"] or None))
         shared = compiled.metadata.shared
         rows.append(dict(window=list(window), head_dim=head_dim, dtype=dtype,
                          kernel=("bwd" if backward else "fwd") + (" cosine" if cosine else ""),
