@@ -163,6 +163,13 @@ def _unit_rows(x):
 
 
 @triton.jit
+def _unit_keys(k):
+    """(k's rows normalised to unit length, in k's dtype; their inverse norms)."""
+    kf, inv = _unit_rows(k)
+    return (kf * inv[:, None]).to(k.dtype), inv
+
+
+@triton.jit
 def _unnormalise_grad(dx, xf, inv, scale):
     """Gradient of the raw rows xf from dx, that of scale * xf * inv (F.normalize's rows times scale), and the
     per-row dot products dx . (xf * inv), whose sum is the gradient of scale."""
@@ -228,6 +235,7 @@ def window_attn_fwd_kernel(
     k_ptr += s_t  # q, k, v of one tensor: s_t apart (separate tensors: s_t = 0)
     v_ptr += 2 * s_t
     fill_ptr += h * HD
+    COLS: tl.constexpr = BLOCK_N + BLOCK_T
     offs_n = tl.arange(0, BLOCK_N)
     if BLOCK_T > 0:  # keys in two blocks: BLOCK_N (a power of two) and the tail (144 = 128 + 16 for 12x12 windows)
         offs_t = BLOCK_N + tl.arange(0, BLOCK_T)
@@ -245,11 +253,9 @@ def window_attn_fwd_kernel(
             k_t, v_t = _key_value(k_ptr, v_ptr, sq_b, sq_y, sq_x, sq_h, b, sy_t, sx_t, inwin_t, real_t, h, offs_d,
                                   HD, fill_ptr, NH, HAS_FILL)
         if COSINE:
-            kf, inv_k = _unit_rows(k)
-            k = (kf * inv_k[:, None]).to(v.dtype)
+            k, _inv_k = _unit_keys(k)
             if BLOCK_T > 0:
-                kf_t, inv_k_t = _unit_rows(k_t)
-                k_t = (kf_t * inv_k_t[:, None]).to(v.dtype)
+                k_t, _inv_k_t = _unit_keys(k_t)
         for mb in range(NUM_M):
             offs_m, sy, sx, real_m = _query_rows(g, mb, offs_n, sy_n, sx_n, real_n, L, H, W, WH, WW, AGH, AGW, ASH,
                                                  ASW, BLOCK_M, NUM_M)
@@ -258,9 +264,9 @@ def window_attn_fwd_kernel(
             if COSINE:
                 qf, inv_q = _unit_rows(q)
                 q = (qf * (q_scale * inv_q)[:, None]).to(v.dtype)
-            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, BLOCK_N + BLOCK_T)
+            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, COLS)
             if BLOCK_T > 0:
-                bias_t = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_t, NUM_M * BLOCK_M, BLOCK_N + BLOCK_T)
+                bias_t = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_t, NUM_M * BLOCK_M, COLS)
                 p, p_t = _softmax_split(q, k, k_t, bias, bias_t, scale, PRECISION)
                 o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 o = tl.dot(p_t.to(v.dtype), v_t, acc=o, input_precision=PRECISION)
@@ -323,12 +329,10 @@ def window_attn_bwd_kernel(
             dv_t = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         if COSINE:
             k_raw = k
-            kf, inv_k = _unit_rows(k)
-            k = (kf * inv_k[:, None]).to(v.dtype)
+            k, inv_k = _unit_keys(k)
             if BLOCK_T > 0:
                 k_raw_t = k_t
-                kf_t, inv_k_t = _unit_rows(k_t)
-                k_t = (kf_t * inv_k_t[:, None]).to(v.dtype)
+                k_t, inv_k_t = _unit_keys(k_t)
         dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         for mb in range(NUM_M):
