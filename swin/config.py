@@ -25,6 +25,7 @@ class ModelConfig:
     name: str = MISSING
     attention: str = MISSING
     fused_mlp_act: bool = MISSING
+    fused_merge_norm: bool = MISSING
     pretrained: str | None = MISSING
     num_classes: int | None = MISSING
     # an int or [height, width], as create_model takes them (OmegaConf has no int-or-list type: check_config checks)

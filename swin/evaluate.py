@@ -232,6 +232,7 @@ def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = N
             model_cfg = OmegaConf.create(train_cfg["model"])
             model_cfg.attention = cfg.model.attention  # the backend is a property of this machine
             model_cfg.fused_mlp_act = cfg.model.fused_mlp_act  # so is the GELU epilogue (not the architecture)
+            model_cfg.fused_merge_norm = cfg.model.fused_merge_norm  # and the fused merges
         if cfg.from_checkpoint and "data" in train_cfg and "data" not in cli_keys:
             data_cfg = OmegaConf.create(train_cfg["data"])
         data_cfg = OmegaConf.create(OmegaConf.to_container(data_cfg, resolve=True))
