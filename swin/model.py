@@ -223,12 +223,12 @@ class SwinTransformerBlock(nn.Module):
         return WindowSpec(feat_size, self.window_size, self.shift_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _, _, x, mlp = self.residual_branches(x)
+        x, mlp = self.forward_unsummed(x)
         return x + mlp
 
-    def residual_branches(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x, attn, x + attn, mlp): the block's output is (x + attn) + mlp. The next stage's fused merge adds x,
-        attn and mlp itself (SwinTransformer.forward_layers), so that x + attn is never written."""
+    def forward_unsummed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + attn, mlp): the block's output is their sum, added here or by the next stage's fused merge
+        (SwinTransformer.forward_layers)."""
         b, h, w, c = x.shape
         spec = self.spec_for((h, w))
         if spec.feat_size == self.feat_size or self.attn_mask is None:
@@ -236,12 +236,10 @@ class SwinTransformerBlock(nn.Module):
         else:  # another input size (dynamic_img_size): same window and shift, new regions
             mask = shifted_window_mask(spec, x.device)
         if self.post_norm:
-            attn = self.drop_path1(self.norm1(self.attn(x, spec, mask)))
-            mid = x + attn
-            return x, attn, mid, self.drop_path2(self.norm2(self._mlp(mid)))
-        attn = self.drop_path1(self.attn(self.norm1(x), spec, mask))
-        mid = x + attn
-        return x, attn, mid, self.drop_path2(self._mlp(self.norm2(mid)))
+            x = x + self.drop_path1(self.norm1(self.attn(x, spec, mask)))
+            return x, self.drop_path2(self.norm2(self._mlp(x)))
+        x = x + self.drop_path1(self.attn(self.norm1(x), spec, mask))
+        return x, self.drop_path2(self._mlp(self.norm2(x)))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_mlp_act and not torch.is_grad_enabled():
@@ -274,11 +272,11 @@ class PatchMerging(nn.Module):
         self.norm = nn.LayerNorm(out_dim if norm_after else 4 * dim)
         self.reduction = nn.Linear(4 * dim, out_dim, bias=False)
 
-    def forward(self, x: torch.Tensor, branches: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """x (B, H, W, C) -> (B, ceil(H/2), ceil(W/2), out_dim). branches: the previous block's residual branches,
-        not yet added to x; then the sum, merge and norm run as one kernel (v1, without gradients: fused_merge_norm)."""
-        if branches:
-            return self.reduction(self._fused_merge_norm(x, branches))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, H, W, C) -> (B, ceil(H/2), ceil(W/2), out_dim). delta: the previous block's MLP branch, not yet
+        added to x; then the sum, merge and norm run as one kernel (v1, without gradients: fused_merge_norm)."""
+        if delta is not None:
+            return self.reduction(self._fused_merge_norm(x, delta))
         b, h, w, c = x.shape
         x = nn.functional.pad(x, (0, 0, 0, w % 2, 0, h % 2))
         h, w = x.shape[1:3]
@@ -288,13 +286,13 @@ class PatchMerging(nn.Module):
             return self.norm(self.reduction(x))
         return self.reduction(self.norm(x))
 
-    def _fused_merge_norm(self, x: torch.Tensor, branches: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _fused_merge_norm(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         if self.norm_after:
             raise ValueError("a V2 patch merging normalises after its reduction: it cannot fuse the norm")
         # the norm's output goes to the reduction only: under autocast write it in the dtype that Linear casts to
         device = x.device.type
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        return merge_norm(x, branches, self.norm.weight, self.norm.bias, self.norm.eps, out_dtype)
+        return merge_norm(x, delta, self.norm.weight, self.norm.bias, self.norm.eps, out_dtype)
 
 
 class LinearPatchEmbed(PatchEmbed):
@@ -335,26 +333,25 @@ class SwinTransformerStage(nn.Module):
                                  pretrained_window_size=pretrained_window_size)
             for i in range(depth)])
 
-    def _merge(self, x: torch.Tensor, branches: Sequence[torch.Tensor]) -> torch.Tensor:
-        return self.downsample(x, branches) if branches else self.downsample(x)
+    def _merge(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        return self.downsample(x) if delta is None else self.downsample(x, delta)
 
-    def forward(self, x: torch.Tensor, branches: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """branches: the previous stage's last residual branches, not yet added to x (the fused merge adds them)."""
-        x = self._merge(x, branches)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """delta: the previous stage's last MLP branch, not yet added to x (the fused merge adds it)."""
+        x = self._merge(x, delta)
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
             for block in self.blocks:
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             return x
         return self.blocks(x)
 
-    def forward_unsummed(self, x: torch.Tensor, branches: Sequence[torch.Tensor] = ()
-                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """(x, (attn, mlp)), the stage's output being x + attn + mlp: its last block's branches are left unadded."""
-        x = self._merge(x, branches)
+    def forward_unsummed(self, x: torch.Tensor, delta: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, delta), the stage's output being x + delta: its last block's MLP branch is left unadded."""
+        x = self._merge(x, delta)
         for block in self.blocks[:-1]:
             x = block(x)
-        x, attn, _, mlp = self.blocks[-1].residual_branches(x)
-        return x, (attn, mlp)
+        return self.blocks[-1].forward_unsummed(x)
 
 
 class SwinTransformer(nn.Module):
@@ -521,10 +518,10 @@ class SwinTransformer(nn.Module):
         unfused, a compiled Swin-T b128 bf16 inference step on the H100 spent 0.30 ms in the first merge alone."""
         if not self._fuses_merges(x):
             return self.layers(x)
-        branches = ()
+        delta = None
         for stage in self.layers[:-1]:
-            x, branches = stage.forward_unsummed(x, branches)
-        return self.layers[-1](x, branches)
+            x, delta = stage.forward_unsummed(x, delta)
+        return self.layers[-1](x, delta)
 
     def _fuses_merges(self, x: torch.Tensor) -> bool:
         return (self.fused_merge_norm and self.version == 1 and len(self.layers) > 1 and not torch.is_grad_enabled()
