@@ -47,9 +47,11 @@ case "${1:-}" in
   tests)
     # pytest-xdist (carry its wheel and execnet's in .whl): Triton compiles every case's kernels, on 8 cores at once.
     # The tests that touch the GPU: the kernel files, V2's flash tests and its CPB table under autocast (torch 2.11's dynamo
-    # broke the graph there), the GELU epilogue's (tests/test_mlp_act.py: test_gpu_*; tests/test_model.py runs on the CPU
+    # broke the graph there), the GELU epilogue's and the fused merge's (tests/test_mlp_act.py, tests/test_merge_norm.py:
+    # test_gpu_*; tests/test_model.py runs on the CPU
     # only: its timm comparisons are CI's, 200 s of CPU each)
     python -m pytest -q -n 8 --durations=10 tests/test_flash_window.py tests/test_swinv2.py tests/test_mlp_act.py \
+      tests/test_merge_norm.py \
       -k "flash or gpu or autocast" 2>&1 \
       | tee "$OUT/gpu_tests.txt"
     # the training step never syncs (CUDA sync debug mode), the side-stream loader keeps batches intact
