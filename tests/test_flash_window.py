@@ -215,10 +215,11 @@ def test_image_op_matches_partitioned_reference(feat, window, shifted, dtype):
     scale_ref = leaves[0].grad.norm() / leaves[0].grad.numel() ** 0.5
     bias_grad, ref_bias_grad = (torch.zeros_like(t) if t.grad is None else t.grad  # None: nothing padded
                                 for t in (qkv_bias, leaves[2]))
-    # plus the rounding of the gradient itself to the leaf's dtype (bf16: sums over every padded token reach ~15,
-    # where one bf16 step is 0.06)
-    rounding = torch.finfo(bias_grad.dtype).eps * ref_bias_grad.abs().max()
-    assert (bias_grad.double() - ref_bias_grad).abs().max() < 2 * tol * scale_ref * 10 + rounding
+    # where it is not ~0 (unshifted: padded keys and values are attended), within 2 tol of its largest entry: it sums
+    # the k/v gradients of every padded token (bf16 12x12 windows on the H100: entries of ~15, 0.05 off in 3 of 14
+    # seeds, 0.3%, against a bound of 0.045 without this term)
+    relative = 2 * tol * ref_bias_grad.abs().max()
+    assert (bias_grad.double() - ref_bias_grad).abs().max() < 2 * tol * scale_ref * 10 + relative
     if not shifted:
         assert rel_err(bias_grad, ref_bias_grad) < 2 * tol
 
