@@ -11,10 +11,11 @@ runs the kernel at its three merges and gives the unfused logits.
 from __future__ import annotations
 
 import pytest
+import test_mlp_act as mlp_act_tests
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_mlp_act import OpLog  # counts the ops a region dispatches
 
 import swin
 import swin.model as swin_model
@@ -22,19 +23,6 @@ from kernels.merge_norm import merge_norm
 
 OP = "merge_norm"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-class OpLog(TorchDispatchMode):
-    """Counts the ops a region dispatches, by name without overload or namespace."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -111,14 +99,7 @@ def test_op_errors_name_the_problem():
 
 
 def model_pair(name: str = "swin_micro", device: str = "cpu", **kwargs) -> tuple[nn.Module, nn.Module]:
-    """(unfused, fused) models with the same weights, perturbed so that no norm is the identity."""
-    plain = swin.create_model(name, fused_merge_norm=False, drop_path_rate=0.0, **kwargs)
-    with torch.no_grad():
-        for p in plain.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    fused = swin.create_model(name, drop_path_rate=0.0, **kwargs)
-    fused.load_state_dict(plain.state_dict())
-    return plain.to(device).eval(), fused.to(device).eval()
+    return mlp_act_tests.model_pair(name, device, flag="fused_merge_norm", **kwargs)
 
 
 @pytest.mark.parametrize("kwargs", [{}, dict(img_size=(18, 22), window_size=3)], ids=["16x16", "odd-merges"])

@@ -45,9 +45,11 @@ def n_blocks(model: nn.Module) -> int:
     return sum(len(stage.blocks) for stage in model.layers)
 
 
-def model_pair(name: str = "swin_micro", device: str = "cpu", **kwargs) -> tuple[nn.Module, nn.Module]:
-    """(unfused, fused) models with the same weights, perturbed so that no bias is zero."""
-    plain = swin.create_model(name, fused_mlp_act=False, drop_path_rate=0.0, **kwargs)
+def model_pair(name: str = "swin_micro", device: str = "cpu", flag: str = "fused_mlp_act",
+               **kwargs) -> tuple[nn.Module, nn.Module]:
+    """(unfused, fused) models (create_model's `flag` off, on) with the same weights, perturbed so that no bias is
+    zero."""
+    plain = swin.create_model(name, **{flag: False}, drop_path_rate=0.0, **kwargs)
     with torch.no_grad():
         for p in plain.parameters():
             p.add_(0.02 * torch.randn_like(p))
