@@ -202,19 +202,7 @@ def test_gpu_op_error_is_at_most_the_unfused_paths(shape, dtypes):
 def test_gpu_compiled_bf16_model_runs_the_kernel():
     """Swin-T, bf16 autocast, no_grad, torch.compile(fullgraph=True): the fused model's generated code launches the
     merge kernel (three merges), the unfused one's does not, and both give logits equally close to float32."""
-    from torch._inductor.utils import run_and_get_code
-
-    plain, fused = model_pair("swin_tiny_patch4_window7_224", "cuda", attention="flash_window")
-    x = torch.randn(4, 3, 224, 224, device="cuda")
-    with torch.no_grad():
-        ref = plain(x).double()
-    results = {}
-    for name, model in (("plain", plain), ("fused", fused)):
-        torch._dynamo.reset()
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            out, code = run_and_get_code(torch.compile(model, fullgraph=True), x)
-        results[name] = (((out.double() - ref).norm() / ref.norm()).item(), "\n".join(code))
-    torch._dynamo.reset()
-    (err_plain, code_plain), (err_fused, code_fused) = results["plain"], results["fused"]
+    (err_plain, code_plain), (err_fused, code_fused) = mlp_act_tests.compiled_bf16_pair(
+        *model_pair("swin_tiny_patch4_window7_224", "cuda", attention="flash_window"))
     assert err_fused <= 1.1 * err_plain + 1e-4, (err_fused, err_plain)
     assert code_fused.count("merge_norm_kernel") >= 3 and "merge_norm_kernel" not in code_plain

@@ -219,26 +219,32 @@ def test_gpu_epilogue_error_is_the_unfused_half_paths(k, dtype, autocast):
     assert max_abs <= 1.5 * max_abs_unfused, (max_abs, max_abs_unfused)
 
 
+def compiled_bf16_pair(plain: nn.Module, fused: nn.Module) -> list[tuple[float, str]]:
+    """[(relative L2 error against plain's float32 logits, inductor's generated code)] of plain and fused Swin-T
+    models (CUDA), each compiled with fullgraph=True and run under bf16 autocast without gradients."""
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(4, 3, 224, 224, device="cuda")
+    with torch.no_grad():
+        ref = plain(x).double()
+    results = []
+    for model in (plain, fused):
+        torch._dynamo.reset()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            out, code = run_and_get_code(torch.compile(model, fullgraph=True), x)
+        results.append((rel_err(out, ref), "\n".join(code)))
+    torch._dynamo.reset()
+    return results
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_compiled_bf16_model_uses_the_epilogue():
     """Swin-T, bf16 autocast, no_grad, torch.compile(fullgraph=True): fused and unfused logits equally close to the
     model's float32 logits; the fused model's generated code calls _addmm_activation and has no GELU kernel left,
     the unfused one's has GELU kernels and no epilogue."""
-    from torch._inductor.utils import run_and_get_code
-
-    plain, fused = model_pair("swin_tiny_patch4_window7_224", "cuda", attention="sdpa")
-    x = torch.randn(4, 3, 224, 224, device="cuda")
-    with torch.no_grad():
-        ref = plain(x).double()
-    results = {}
-    for name, model in (("plain", plain), ("fused", fused)):
-        torch._dynamo.reset()
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            out, code = run_and_get_code(torch.compile(model, fullgraph=True), x)
-        results[name] = (rel_err(out, ref), "\n".join(code))
-    torch._dynamo.reset()
-    (err_plain, code_plain), (err_fused, code_fused) = results["plain"], results["fused"]
+    (err_plain, code_plain), (err_fused, code_fused) = compiled_bf16_pair(
+        *model_pair("swin_tiny_patch4_window7_224", "cuda", attention="sdpa"))
     assert err_fused <= 1.25 * err_plain + 1e-3, (err_fused, err_plain)
     assert EPILOGUE_OP in code_fused and EPILOGUE_OP not in code_plain
     gelu_kernels = {name: [k for k in triton_kernels([code]) if "gelu" in k]
