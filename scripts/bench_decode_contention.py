@@ -29,6 +29,7 @@ import multiprocessing as mp
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -49,9 +50,19 @@ def make_jpegs(n: int) -> list[bytes]:
     return out
 
 
-def pipeline(jpegs: list[bytes], to_host: bool, augment: bool = True):
+def use_crop_kernel() -> None:
+    """The augmentation's per-image F.interpolate crops (~3 launches each) replaced by kernels.crop_resize (two
+    launches per batch), in this process."""
+    from kernels.crop_resize import crop_resize
+    from swin import gpu_augment
+    gpu_augment.resized_crops = crop_resize
+
+
+def pipeline(jpegs: list[bytes], to_host: bool, augment: bool = True, chunk: int = 0):
     """One batch: nvJPEG decode (the H100's JPEG engines), then the imagenet recipe's crop / flip / RandAugment on the
-    GPU; augment=False: the decoded images only (to the host: each of them)."""
+    GPU; augment=False: the decoded images only (to the host: each of them). chunk > 0: decode_jpeg calls of that
+    many files (beside a busy step, calls of up to 4 files decode 20x faster than calls of 16 or more:
+    docs/benchmarks.md)."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     from swin import gpu_augment as ga
@@ -61,7 +72,9 @@ def pipeline(jpegs: list[bytes], to_host: bool, augment: bool = True):
     blobs = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in jpegs]
 
     def one_batch() -> torch.Tensor | list[torch.Tensor]:
-        images = decode_jpeg(blobs, mode=ImageReadMode.RGB, device="cuda")
+        step = chunk or len(blobs)
+        images = [img for i in range(0, len(blobs), step)
+                  for img in decode_jpeg(blobs[i:i + step], mode=ImageReadMode.RGB, device="cuda")]
         if not augment:
             return [img.cpu() for img in images] if to_host else images
         x = transform(images, rng)
@@ -78,7 +91,14 @@ def _worker(jpegs: list[bytes], stop, batches, augment: bool) -> None:
             batches.value += 1
 
 
-def step_graph() -> torch.cuda.CUDAGraph:
+def step_graph(kind: str = "gemm") -> torch.cuda.CUDAGraph:
+    """The "training step" as a CUDA graph: `gemm`, six 8192^3 GEMMs (~1.5 ms each, every SM busy throughout) and
+    60 mid-sized GEMM + GELU; `swin`, a real one: Swin-T b128 bf16 forward + backward with flash window attention
+    (eager kernels, the longest ~0.3 ms). A kernel of another stream waits for SMs to free up: for how long
+    depends on how long the step's kernels hold them, so the two steps can give decoding threads very different
+    rates."""
+    if kind == "swin":
+        return _swin_step_graph()
     big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     act = [torch.randn(128 * 56 * 56 // 8, 384, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     w = torch.randn(384, 384, device="cuda", dtype=torch.bfloat16)
@@ -95,6 +115,76 @@ def step_graph() -> torch.cuda.CUDAGraph:
         for _ in range(60):
             act[1].copy_(torch.nn.functional.gelu(act[0] @ w) + act[0])
     return graph
+
+
+def _swin_step_graph(batch: int = 128) -> torch.cuda.CUDAGraph:
+    from swin import create_model
+    model = create_model("swin_tiny_patch4_window7_224", attention="flash_window").cuda().to(torch.bfloat16)
+    x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: Triton compiles, .grad tensors are allocated
+        for _ in range(3):
+            model(x).float().logsumexp(1).mean().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # gradients accumulate into the existing .grad tensors
+        model(x).float().logsumexp(1).mean().backward()
+    return graph
+
+
+def round_trips(jpeg: bytes) -> dict[str, Callable[[], Callable[[], object]]]:
+    """GPU round trips to time beside the step, each a factory (run in the timing thread) of one call."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    def tiny_kernel():
+        x = torch.zeros(1024, device="cuda")
+        return lambda: x.add_(1)
+
+    def copy(pinned: bool):
+        def make():
+            host = torch.empty(len(jpeg), dtype=torch.uint8, pin_memory=pinned)
+            dev = torch.empty(len(jpeg), dtype=torch.uint8, device="cuda")
+            return lambda: dev.copy_(host, non_blocking=True)
+        return make
+
+    def decode():
+        blob = torch.frombuffer(bytearray(jpeg), dtype=torch.uint8)
+        return lambda: decode_jpeg([blob], mode=ImageReadMode.RGB, device="cuda")
+    return {"a tiny kernel": tiny_kernel, f"a {len(jpeg) // 1000} KB copy from pinned memory": copy(True),
+            f"a {len(jpeg) // 1000} KB copy from pageable memory": copy(False),
+            "torchvision decode_jpeg of one file (device=cuda)": decode}
+
+
+def latency_beside(graph, seconds: float, make_call, priority: int = 0) -> tuple[float, float]:
+    """Mean round trip (us) of make_call()'s call and a stream synchronisation, looped in a thread, alone and
+    beside the step: what every per-image synchronisation of a decoder costs while the step keeps the GPU busy."""
+    stop, trips, go = threading.Event(), [0], threading.Event()
+
+    def loop() -> None:
+        stream = torch.cuda.Stream(priority=priority)
+        with torch.cuda.stream(stream):
+            call = make_call()
+            go.set()
+            while not stop.is_set():
+                call()
+                stream.synchronize()
+                trips[0] += 1
+    worker = threading.Thread(target=loop)
+    worker.start()
+    go.wait()
+    times = []
+    for beside_step in (False, True):
+        time.sleep(0.3)
+        before, start = trips[0], time.perf_counter()
+        if beside_step:
+            step_ms(graph, seconds)
+        else:
+            time.sleep(seconds)
+        times.append((time.perf_counter() - start) / max(trips[0] - before, 1) * 1e6)
+    stop.set()
+    worker.join()
+    return times[0], times[1]
 
 
 WAITS = {  # how the timing loop waits for the step it keeps queued: torch.cuda.synchronize, the step's event
@@ -155,13 +245,14 @@ def beside_processes(jpegs: list[bytes], graph, processes: int, seconds: float, 
 
 
 def beside_threads(jpegs: list[bytes], graph, threads: int, seconds: float, batch: int, side_stream: bool,
-                   augment: bool = True, trace: bool = False, wait: str = "sync") -> tuple[float, float, str]:
+                   augment: bool = True, trace: bool = False, wait: str = "sync",
+                   chunk: int = 0) -> tuple[float, float, str]:
     """side_stream: the step replays on a side stream (non-blocking, as torch's are) instead of the legacy default
     stream; trace: also a table of the CUDA API calls during the timed part, by total time; wait: see WAITS."""
     stop, counts = threading.Event(), [0] * threads
 
     def loop(i: int) -> None:
-        one_batch, stream = pipeline(jpegs, to_host=False, augment=augment), torch.cuda.Stream()
+        one_batch, stream = pipeline(jpegs, to_host=False, augment=augment, chunk=chunk), torch.cuda.Stream()
         with torch.cuda.stream(stream):
             while not stop.is_set():
                 one_batch()
@@ -184,6 +275,100 @@ def beside_threads(jpegs: list[bytes], graph, threads: int, seconds: float, batc
     return ms, rate, api_calls(prof) if trace else ""
 
 
+def beside_pipelined(jpegs: list[bytes], graph, seconds: float, chunk: int, decode_threads: int = 1
+                     ) -> tuple[float, float]:
+    """The in-process design with decoding and augmentation overlapped: `decode_threads` threads decode batches with
+    nvJPEG's hardware engines through ctypes (scripts/probe_nvjpeg_hardware.py: no process-wide mutex, the GIL
+    released during the call) in calls of `chunk` files, each on its own stream, and hand them to one thread that
+    crops / flips / RandAugments them on its own stream. Returns (step ms, img/s through the augmentation)."""
+    import queue
+
+    from probe_nvjpeg_hardware import BACKEND_HARDWARE, BatchedDecoder, load_nvjpeg
+
+    from swin import gpu_augment as ga
+    lib = load_nvjpeg()
+    spec = ga.TrainSpec(size=(224, 224), interpolation="random",
+                        rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
+    stop, done, decoded = threading.Event(), [0], queue.Queue(maxsize=2)
+
+    def decode_loop() -> None:
+        stream, decoders = torch.cuda.Stream(), {}
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                images = []
+                for i in range(0, len(jpegs), chunk):
+                    part = jpegs[i:i + chunk]
+                    if len(part) not in decoders:
+                        decoders[len(part)] = BatchedDecoder(lib, BACKEND_HARDWARE, len(part))
+                    dec = decoders[len(part)]
+                    images += dec(part, [dec.size(f)[1:] for f in part])
+                    stream.synchronize()  # the measured configuration (probe_nvjpeg_hardware.py --sweep)
+                while not stop.is_set():
+                    try:
+                        decoded.put((images, stream), timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+
+    def augment_loop() -> None:
+        stream, transform, rng = torch.cuda.Stream(), ga.TrainTransform(spec), np.random.default_rng(0)
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                try:
+                    images, source = decoded.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                for img in images:  # made on the decoding thread's stream (synchronised there)
+                    img.record_stream(stream)
+                transform(images, rng)
+                stream.synchronize()
+                done[0] += 1
+    threads = [threading.Thread(target=decode_loop) for _ in range(decode_threads)]
+    threads.append(threading.Thread(target=augment_loop))
+    for t in threads:
+        t.start()
+    while done[0] < 3:
+        time.sleep(0.1)
+    before, start = done[0], time.perf_counter()
+    ms = step_ms(graph, seconds)
+    rate = (done[0] - before) * len(jpegs) / (time.perf_counter() - start)
+    stop.set()
+    for t in threads:
+        t.join()
+    return ms, rate
+
+
+def augment_profile(jpegs: list[bytes], batches: int = 8, top: int = 15) -> str:
+    """GPU time per batch of the crop / flip / RandAugment stage alone (decoded images in hand), by kernel, and its
+    host time: what the augmentation would take from a step it runs beside."""
+    from torch.profiler import ProfilerActivity, profile
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from swin import gpu_augment as ga
+    spec = ga.TrainSpec(size=(224, 224), interpolation="random",
+                        rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
+    transform, rng = ga.TrainTransform(spec), np.random.default_rng(0)
+    images = [img for i in range(0, len(jpegs), 6) for img in decode_jpeg(
+        [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in jpegs[i:i + 6]], mode=ImageReadMode.RGB,
+        device="cuda")]
+    for _ in range(3):
+        transform(images, rng)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(batches):
+            transform(images, rng)
+        torch.cuda.synchronize()
+    host = (time.perf_counter() - start) / batches * 1e3
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in kernels) / batches / 1e3
+    rows = [f"| {e.key[:70]} | {e.count / batches:.1f} | {e.self_device_time_total / batches / 1e3:.3f} |"
+            for e in kernels[:top]]
+    return "\n".join([f"augmentation of a batch of {len(jpegs)} alone: {total:.2f} ms of GPU time, {host:.1f} ms "
+                      "wall (profiled)\n", "| kernel | per batch | GPU ms per batch |", "|---|---|---|", *rows])
+
+
 def api_calls(prof, top: int = 12) -> str:
     """The CUDA runtime/driver calls of every thread (CUPTI sees them all), by total time, as a table."""
     calls = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu")) and e.count]
@@ -198,19 +383,39 @@ def main() -> None:
     parser.add_argument("--jpegs", type=int, default=128, help="images per batch")
     parser.add_argument("--seconds", type=float, default=6.0, help="timed seconds per row")
     parser.add_argument("--processes", type=int, nargs="*", default=[2, 4, 8])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     parser.add_argument("--trace", action="store_true", help="CUDA API calls of the 1-thread decode-only rows")
     parser.add_argument("--waits", nargs="+", choices=list(WAITS), default=list(WAITS),
                         help="how the timing loop waits for its queued steps in the threads rows")
     parser.add_argument("--side-stream", action="store_true", help="also the threads rows with the step on a side "
                         "stream (no change in docs/benchmarks.md, 2026-11-23)")
+    parser.add_argument("--step", choices=("gemm", "swin"), default="gemm", help="the step beside which to decode "
+                        "(step_graph): big GEMMs, or a Swin-T b128 bf16 forward + backward")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[0], help="files per decode_jpeg call in the "
+                        "threads rows (0: the whole batch)")
+    parser.add_argument("--no-round-trips", action="store_true", help="skip the round-trip table")
+    parser.add_argument("--pipelined", type=int, nargs="*", default=[], help="files per call of the overlapped "
+                        "decoding + augmenting threads rows (beside_pipelined)")
+    parser.add_argument("--crop-kernel", action="store_true", help="crops through kernels.crop_resize (threads rows)")
+    parser.add_argument("--augment-profile", action="store_true", help="only the augmentation's GPU time per batch")
     args = parser.parse_args()
+    if args.crop_kernel:
+        use_crop_kernel()
     jpegs = make_jpegs(args.jpegs)
-    graph = step_graph()
+    if args.augment_profile:
+        print(augment_profile(jpegs))
+        return
+    graph = step_graph(args.step)
     alone = step_ms(graph, args.seconds)
     print(f"# {torch.cuda.get_device_name()}: torch {torch.__version__}; {args.jpegs} JPEGs of "
-          f"{np.mean([len(j) for j in jpegs]) / 1e3:.0f} KB per batch\n")
-    print("| decoding beside the step | step ms | x step alone | pipeline img/s |\n|---|---|---|---|")
+          f"{np.mean([len(j) for j in jpegs]) / 1e3:.0f} KB per batch; step: {args.step}\n")
+    print("| round trip: call + stream sync, in a thread | stream priority | alone us | beside the step us |\n"
+          "|---|---|---|---|")
+    for name, make_call in ({} if args.no_round_trips else round_trips(jpegs[0])).items():
+        for priority in (0, -1):
+            alone_us, beside_us = latency_beside(graph, args.seconds / 2, make_call, priority)
+            print(f"| {name} | {priority} | {alone_us:,.0f} | {beside_us:,.0f} |", flush=True)
+    print("\n| decoding beside the step | step ms | x step alone | pipeline img/s |\n|---|---|---|---|")
     print(f"| none | {alone:.2f} | 1.00 | - |")
     for augment in (True, False):
         for n in args.processes:
@@ -222,15 +427,21 @@ def main() -> None:
     settings = [(False, wait) for wait in args.waits] + ([(True, "sync")] if args.side_stream else [])
     for side, wait in settings:
         where = f"step on a {'side' if side else 'default'} stream, waited by {WAITS[wait]}"
-        for augment, n in [(True, k) for k in args.threads] + [(False, 1)]:
+        for augment, n, chunk in [(a, k, c) for c in args.chunks for a, k in [(True, k) for k in args.threads]
+                                  + [(False, 1)]]:
             ms, rate, calls = beside_threads(jpegs, graph, n, args.seconds, args.jpegs, side, augment,
-                                             trace=args.trace and n == 1 and not augment, wait=wait)
-            kind = "decode + augment" if augment else "decode only"
+                                             trace=args.trace and n == 1 and not augment, wait=wait, chunk=chunk)
+            kind = ("decode + augment" if augment else "decode only") + f", {chunk or args.jpegs} files per call"
             print(f"| {n} threads of this process, {kind}, {where} | {ms:.2f} | {ms / alone:.2f} | {rate:,.0f} |",
                   flush=True)
             if calls:
                 traces.append(f"\nCUDA API calls of all threads, 1 thread decoding, {where}:\n\n{calls}")
     print("\n".join(traces))
+    for chunk, n in [(c, k) for c in args.pipelined for k in (1, 2)]:
+        ms, rate = beside_pipelined(jpegs, graph, args.seconds, chunk, n)
+        print(f"| {n} decoding thread(s) (hardware engines, {chunk} files per call) + 1 augmenting thread, overlapped"
+              f"{', crops in kernels.crop_resize' if args.crop_kernel else ''} | {ms:.2f} | {ms / alone:.2f} | "
+              f"{rate:,.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import glob
 import io
 import os
@@ -158,6 +159,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jpegs", type=int, default=128, help="files per batch")
     parser.add_argument("--seconds", type=float, default=5.0, help="timed seconds per row")
+    parser.add_argument("--sweep", action="store_true", help="only the kernels of a batched hardware decode and the "
+                        "decode rate beside the step per batch size and thread count (--batches, --threads)")
+    parser.add_argument("--step", choices=("gemm", "swin"), default="gemm",
+                        help="the step beside which to decode (bench_decode_contention.step_graph)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 128])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -165,6 +172,9 @@ def main() -> None:
     lib = load_nvjpeg()
     print(f"# {torch.cuda.get_device_name()}: torch {torch.__version__}, libnvjpeg {lib._name}")
     files = make_files(args.jpegs)
+    if args.sweep:
+        sweep(lib, files["4:2:0"], args)
+        return
     print(f"# {args.jpegs} files per batch; mean sizes: " + ", ".join(
         f"{k} {np.mean([len(f) for f in v]) / 1e3:.0f} KB" for k, v in files.items()))
     try:
@@ -218,6 +228,77 @@ def main() -> None:
                   f"{ms / alone:.2f} | {r:,.0f} |", flush=True)
 
 
+def kernel_table(fn, calls: int = 3) -> str:
+    """The CUDA kernels and copies of `calls` calls of fn: name, count, mean us, grid, block, shared memory,
+    registers (from the profiler's trace): which of them could wait long for room on SMs a step keeps busy."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    rows: dict[str, list] = {}
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        a = e.get("args", {})
+        key = (e["name"][:60], str(a.get("grid")), str(a.get("block")), a.get("shared memory"),
+               a.get("registers per thread"))
+        rows.setdefault(key, []).append(e.get("dur", 0))
+    lines = ["| kernel or copy | count | mean us | grid | block | shared memory | registers |",
+             "|---|---|---|---|---|---|---|"]
+    for (name, grid, block, smem, regs), durs in sorted(rows.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"| {name} | {len(durs)} | {np.mean(durs):.1f} | {grid} | {block} | {smem} | {regs} |")
+    return "\n".join(lines)
+
+
+def sweep(lib: ctypes.CDLL, files: list[bytes], args) -> None:
+    """Kernels of one batched hardware decode, then decode img/s beside the step per batch size and thread count
+    (each thread its own decoder and stream), against the step alone."""
+    from bench_decode_contention import step_graph, step_ms
+    hw = BatchedDecoder(lib, BACKEND_HARDWARE, len(files))
+    sizes = [hw.size(f)[1:] for f in files]
+    print(f"\nkernels of {len(files)}-file hardware decodes (x3):\n")
+    print(kernel_table(lambda: hw(files, sizes)))
+    graph = step_graph(args.step)
+    alone = step_ms(graph, args.seconds)
+    print(f"\nstep: {args.step}, {alone:.2f} ms alone\n")
+    print("| files per decode call | threads | decode img/s alone | beside the step: step ms | x step alone | "
+          "decode img/s |\n|---|---|---|---|---|---|")
+    for batch in args.batches:
+        part, part_sizes = files[:batch], sizes[:batch]
+        for threads in args.threads:
+            make = functools.partial(BatchedDecoder, lib, BACKEND_HARDWARE, batch)
+            _, r_alone = beside(None, make, part, part_sizes, threads, args.seconds / 2)
+            ms, r = beside(graph, make, part, part_sizes, threads, args.seconds)
+            print(f"| {batch} | {threads} | {r_alone:,.0f} | {ms:.2f} | {ms / alone:.2f} | {r:,.0f} |", flush=True)
+        # torchvision's decode_jpeg on the same files (one process-wide decoder under a mutex: one thread)
+        make = functools.partial(TorchvisionDecoder, batch)
+        _, r_alone = beside(None, make, part, part_sizes, 1, args.seconds / 2)
+        ms, r = beside(graph, make, part, part_sizes, 1, args.seconds)
+        print(f"| {batch}, torchvision decode_jpeg | 1 | {r_alone:,.0f} | {ms:.2f} | {ms / alone:.2f} | {r:,.0f} |",
+              flush=True)
+
+
+class TorchvisionDecoder:
+    """torchvision's decode_jpeg(list, device="cuda") with BatchedDecoder's call signature."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+
+    def __call__(self, files: list[bytes], sizes) -> list[torch.Tensor]:
+        from torchvision.io import ImageReadMode, decode_jpeg
+        return decode_jpeg([torch.frombuffer(bytearray(f), dtype=torch.uint8) for f in files],
+                           mode=ImageReadMode.RGB, device="cuda")
+
+
 def _luma(x: torch.Tensor) -> torch.Tensor:
     r, g, b = x.float()
     return 0.299 * r + 0.587 * g + 0.114 * b
@@ -244,7 +325,11 @@ def beside(graph, make_decoder, files: list[bytes], sizes, threads: int, seconds
     while sum(counts) < 2 * threads and time.perf_counter() < deadline:
         time.sleep(0.1)
     before, start = sum(counts), time.perf_counter()
-    ms = step_ms(graph, seconds, wait=wait)
+    if graph is None:  # the decoders alone
+        time.sleep(seconds)
+        ms = 0.0
+    else:
+        ms = step_ms(graph, seconds, wait=wait)
     r = (sum(counts) - before) * len(files) / (time.perf_counter() - start)
     stop.set()
     for t in workers:
