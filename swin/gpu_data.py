@@ -151,9 +151,22 @@ def collate_encoded(samples: Sequence[tuple[bytes | torch.Tensor, int, str, int]
 
 
 # --- decoding and augmenting (in a worker process) -----------------------------------------------------------
+# Beside a training step that keeps the GPU busy, nvJPEG's hardware engines decode calls of up to 7 files at 60-80%
+# of their speed alone, and calls of 8 files or more 15-35x slower (H100, 7 engines; docs/benchmarks.md, 2026-11-24,
+# "Why decoding threads starved"). The training process (num_workers=0) therefore decodes in calls of this many.
+FILES_PER_CALL_BESIDE_STEP = 6
+
+
+def files_per_call(device: torch.device) -> int:
+    """Files per decode call on ``device``: FILES_PER_CALL_BESIDE_STEP in the training process on CUDA, else 0 (the
+    whole batch in one call: a worker's own CUDA context was not measured with the cliff above, and one call is
+    fastest alone)."""
+    return FILES_PER_CALL_BESIDE_STEP if device.type == "cuda" and get_worker_info() is None else 0
+
+
 class JpegDecoder:
-    """Decodes an :class:`EncodedBatch` on ``device``: one batched ``decode_jpeg`` call; if it fails, each image
-    alone, and the CPU for those nvJPEG still rejects."""
+    """Decodes an :class:`EncodedBatch` on ``device``: batched ``decode_jpeg`` calls (of ``files_per_call`` files;
+    0: all in one); if a call fails, each of its images alone, and the CPU for those nvJPEG still rejects."""
 
     def __init__(self, device: torch.device, skip_corrupt: bool):
         self.device, self.skip_corrupt = torch.device(device), skip_corrupt
@@ -177,20 +190,23 @@ class JpegDecoder:
         on_cpu.append(path)
         return img.to(self.device, non_blocking=True)
 
-    def __call__(self, batch: EncodedBatch) -> tuple[list[torch.Tensor], torch.Tensor, int, list[str]]:
+    def __call__(self, batch: EncodedBatch, files_per_call: int = 0
+                 ) -> tuple[list[torch.Tensor], torch.Tensor, int, list[str]]:
         """(decoded (3, H, W) uint8 images on the device, their labels, files dropped in this batch, paths of the
         files decoded on the CPU: here, or already by the dataset)."""
         images: list[torch.Tensor | None] = [None] * len(batch)
         on_cpu = [batch.paths[k] for k in batch.decoded]
         slots = [k for k, n in enumerate(batch.sizes) if n > 0]
         ends = np.cumsum(batch.sizes).tolist()
-        blobs = [batch.data[ends[k] - batch.sizes[k]:ends[k]] for k in slots]  # views, no copies
-        if blobs:
+        step = files_per_call or len(slots) or 1
+        for start in range(0, len(slots), step):
+            part = slots[start:start + step]
+            blobs = [batch.data[ends[k] - batch.sizes[k]:ends[k]] for k in part]  # views, no copies
             try:
                 decoded = self.device_decode(blobs)
-            except RuntimeError:  # nvJPEG fails the whole batch for one bad file: find it
-                decoded = [self._decode_alone(b, batch.paths[k], on_cpu) for k, b in zip(slots, blobs)]
-            for k, img in zip(slots, decoded):
+            except RuntimeError:  # nvJPEG fails the whole call for one bad file: find it
+                decoded = [self._decode_alone(b, batch.paths[k], on_cpu) for k, b in zip(part, blobs)]
+            for k, img in zip(part, decoded):
                 images[k] = img
         for k, img in batch.decoded.items():
             images[k] = img.to(self.device, non_blocking=True)
@@ -222,7 +238,7 @@ class DeviceCollate:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         with torch.no_grad():
-            images, targets, skipped, on_cpu = self.decoder(batch)
+            images, targets, skipped, on_cpu = self.decoder(batch, files_per_call(self.device))
             x = self.transform(images, np.random.default_rng([self.seed % 2**32, *batch.indices]))
         if get_worker_info() is not None and x.device.type != "cpu":
             # into shared memory directly (sending a worker's tensor moves it there otherwise: one more copy)
@@ -230,5 +246,5 @@ class DeviceCollate:
         return x, targets, skipped, on_cpu
 
 
-__all__ = ["DeviceCollate", "EncodedBatch", "EncodedImageFolder", "JpegDecoder", "collate_encoded",
-           "decode_on_cpu", "jpeg_frame", "nvjpeg_can_decode"]
+__all__ = ["DeviceCollate", "EncodedBatch", "EncodedImageFolder", "FILES_PER_CALL_BESIDE_STEP", "JpegDecoder",
+           "collate_encoded", "decode_on_cpu", "files_per_call", "jpeg_frame", "nvjpeg_can_decode"]
