@@ -50,12 +50,15 @@ def make_jpegs(n: int) -> list[bytes]:
     return out
 
 
-def use_crop_kernel() -> None:
-    """The augmentation's per-image F.interpolate crops (~3 launches each) replaced by kernels.crop_resize (two
-    launches per batch), in this process."""
-    from kernels.crop_resize import crop_resize
-    from swin import gpu_augment
-    gpu_augment.resized_crops = crop_resize
+AUGMENT_KERNELS = True  # TrainTransform's kernels (crops and RandAugment layers); --torch-augment: its PyTorch path
+
+
+def train_transform():
+    """The imagenet recipe's device transform (rand-m9-mstd0.5-inc1, random interpolation) at 224."""
+    from swin import gpu_augment as ga
+    spec = ga.TrainSpec(size=(224, 224), interpolation="random",
+                        rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
+    return ga.TrainTransform(spec, kernels=AUGMENT_KERNELS)
 
 
 def pipeline(jpegs: list[bytes], to_host: bool, augment: bool = True, chunk: int = 0):
@@ -65,10 +68,7 @@ def pipeline(jpegs: list[bytes], to_host: bool, augment: bool = True, chunk: int
     docs/benchmarks.md)."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from swin import gpu_augment as ga
-    spec = ga.TrainSpec(size=(224, 224), interpolation="random",
-                        rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
-    transform, rng = ga.TrainTransform(spec), np.random.default_rng(0)
+    transform, rng = train_transform(), np.random.default_rng(0)
     blobs = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in jpegs]
 
     def one_batch() -> torch.Tensor | list[torch.Tensor]:
@@ -244,6 +244,16 @@ def beside_processes(jpegs: list[bytes], graph, processes: int, seconds: float, 
     return ms, rate
 
 
+def _wait_until(ready, threads: list[threading.Thread], timeout: float = 120.0) -> None:
+    """Waits for the threads' first batches; a thread that died (its traceback is printed) or a timeout ends the
+    run instead of hanging it."""
+    deadline = time.perf_counter() + timeout
+    while not ready():
+        if not all(t.is_alive() for t in threads) or time.perf_counter() > deadline:
+            raise RuntimeError("a decoding thread died or made no progress (see above)")
+        time.sleep(0.1)
+
+
 def beside_threads(jpegs: list[bytes], graph, threads: int, seconds: float, batch: int, side_stream: bool,
                    augment: bool = True, trace: bool = False, wait: str = "sync",
                    chunk: int = 0) -> tuple[float, float, str]:
@@ -258,11 +268,10 @@ def beside_threads(jpegs: list[bytes], graph, threads: int, seconds: float, batc
                 one_batch()
                 stream.synchronize()
                 counts[i] += 1
-    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    workers = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(threads)]
     for t in workers:
         t.start()
-    while sum(counts) < 2 * threads:
-        time.sleep(0.2)
+    _wait_until(lambda: sum(counts) >= 2 * threads, workers)
     step_stream = torch.cuda.Stream() if side_stream else None
     before, start = sum(counts), time.perf_counter()
     from torch.profiler import ProfilerActivity, profile
@@ -285,10 +294,7 @@ def beside_pipelined(jpegs: list[bytes], graph, seconds: float, chunk: int, deco
 
     from probe_nvjpeg_hardware import BACKEND_HARDWARE, BatchedDecoder, load_nvjpeg
 
-    from swin import gpu_augment as ga
     lib = load_nvjpeg()
-    spec = ga.TrainSpec(size=(224, 224), interpolation="random",
-                        rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
     stop, done, decoded = threading.Event(), [0], queue.Queue(maxsize=2)
 
     def decode_loop() -> None:
@@ -311,7 +317,7 @@ def beside_pipelined(jpegs: list[bytes], graph, seconds: float, chunk: int, deco
                         pass
 
     def augment_loop() -> None:
-        stream, transform, rng = torch.cuda.Stream(), ga.TrainTransform(spec), np.random.default_rng(0)
+        stream, transform, rng = torch.cuda.Stream(), train_transform(), np.random.default_rng(0)
         with torch.cuda.stream(stream):
             while not stop.is_set():
                 try:
@@ -323,12 +329,11 @@ def beside_pipelined(jpegs: list[bytes], graph, seconds: float, chunk: int, deco
                 transform(images, rng)
                 stream.synchronize()
                 done[0] += 1
-    threads = [threading.Thread(target=decode_loop) for _ in range(decode_threads)]
-    threads.append(threading.Thread(target=augment_loop))
+    threads = [threading.Thread(target=decode_loop, daemon=True) for _ in range(decode_threads)]
+    threads.append(threading.Thread(target=augment_loop, daemon=True))
     for t in threads:
         t.start()
-    while done[0] < 3:
-        time.sleep(0.1)
+    _wait_until(lambda: done[0] >= 3, threads)
     before, start = done[0], time.perf_counter()
     ms = step_ms(graph, seconds)
     rate = (done[0] - before) * len(jpegs) / (time.perf_counter() - start)
@@ -344,10 +349,7 @@ def augment_profile(jpegs: list[bytes], batches: int = 8, top: int = 15) -> str:
     from torch.profiler import ProfilerActivity, profile
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from swin import gpu_augment as ga
-    spec = ga.TrainSpec(size=(224, 224), interpolation="random",
-                        rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
-    transform, rng = ga.TrainTransform(spec), np.random.default_rng(0)
+    transform, rng = train_transform(), np.random.default_rng(0)
     images = [img for i in range(0, len(jpegs), 6) for img in decode_jpeg(
         [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in jpegs[i:i + 6]], mode=ImageReadMode.RGB,
         device="cuda")]
@@ -396,11 +398,12 @@ def main() -> None:
     parser.add_argument("--no-round-trips", action="store_true", help="skip the round-trip table")
     parser.add_argument("--pipelined", type=int, nargs="*", default=[], help="files per call of the overlapped "
                         "decoding + augmenting threads rows (beside_pipelined)")
-    parser.add_argument("--crop-kernel", action="store_true", help="crops through kernels.crop_resize (threads rows)")
+    parser.add_argument("--torch-augment", action="store_true", help="the augmentation's PyTorch path (per-image "
+                        "crops, per-op slices) instead of its kernels")
     parser.add_argument("--augment-profile", action="store_true", help="only the augmentation's GPU time per batch")
     args = parser.parse_args()
-    if args.crop_kernel:
-        use_crop_kernel()
+    global AUGMENT_KERNELS
+    AUGMENT_KERNELS = not args.torch_augment
     jpegs = make_jpegs(args.jpegs)
     if args.augment_profile:
         print(augment_profile(jpegs))
@@ -440,7 +443,7 @@ def main() -> None:
     for chunk, n in [(c, k) for c in args.pipelined for k in (1, 2)]:
         ms, rate = beside_pipelined(jpegs, graph, args.seconds, chunk, n)
         print(f"| {n} decoding thread(s) (hardware engines, {chunk} files per call) + 1 augmenting thread, overlapped"
-              f"{', crops in kernels.crop_resize' if args.crop_kernel else ''} | {ms:.2f} | {ms / alone:.2f} | "
+              f"{', PyTorch augmentation' if args.torch_augment else ''} | {ms:.2f} | {ms / alone:.2f} | "
               f"{rate:,.0f} |", flush=True)
 
 

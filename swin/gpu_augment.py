@@ -4,13 +4,16 @@ The CPU path (timm's ``create_transform`` in the loader workers) transforms one 
 host draws every random choice of a batch at once (numpy, a generator seeded per batch): RandomResizedCrop boxes,
 flips, and for each image its RandAugment ops and magnitudes (or colour-jitter factors). The device then
 
-1. crops and resizes every decoded image to the model's size (the images have different sizes: one interpolation
-   per image), antialiased as PIL resizes, rounded to uint8 as PIL stores it;
+1. crops and resizes every decoded image to the model's size (the images have different sizes), antialiased as PIL
+   resizes, rounded to uint8 as PIL stores it: kernels.crop_resize, two launches for the batch;
 2. flips the selected images of the uint8 batch;
-3. runs each augmentation layer over the whole batch: the batch is reordered so that the images drawing the same
-   op are contiguous, and each op runs once on its slice with per-image arguments (one grid_sample for all
-   rotations, shears and translations), so a layer costs a few dozen kernels whatever the batch size;
-4. puts the batch back in its original order.
+3. runs each augmentation layer over the whole batch in two launches (kernels.rand_augment: each image's op and
+   arguments come from a table).
+
+The same steps in PyTorch ops (``TrainTransform(kernels=False)``, the default on the CPU without the Triton
+interpreter) are the reference the kernels are tested against: one F.interpolate per image, and per layer the batch
+reordered so that the images drawing the same op are contiguous, each op run once on its slice (one grid_sample for
+all rotations, shears and translations), the original order restored: a few dozen kernels per layer.
 
 Op semantics follow timm's PIL RandAugment (``rand-m9-mstd0.5-inc1``: the same 15 ops, levels, per-op probability,
 magnitude noise and random signs, uint8 between ops, PIL's truncating blends); where the result differs from PIL,
@@ -29,18 +32,38 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels.crop_resize import crop_resize
+from kernels.ops import interpreting
+from kernels.rand_augment import (
+    AFFINE_BICUBIC,
+    AFFINE_BILINEAR,
+    AFFINE_NEAREST,
+    ARGS,
+    AUTOCONTRAST,
+    BRIGHTNESS,
+    COLOR,
+    CONTRAST,
+    EQUALIZE,
+    IDENTITY,
+    INVERT,
+    NUM_OPS,
+    POSTERIZE,
+    SHARPNESS,
+    SOLARIZE,
+    SOLARIZE_ADD,
+    augment_layer,
+)
+
 # resize modes by index (per image with interpolation=random); nearest-exact is PIL's nearest
 MODES = ("bilinear", "bicubic", "nearest-exact")
 _MODE_OF = {"bilinear": 0, "bicubic": 1, "nearest": 2}
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest", "random")
 
-# Device op ids. A layer sorts its images by op id, so every op works on one contiguous slice; the three affine
-# ids (one per grid_sample mode) hold rotations, shears and translations as per-image matrices.
-(AUTOCONTRAST, EQUALIZE, INVERT, POSTERIZE, SOLARIZE, SOLARIZE_ADD, COLOR, CONTRAST, BRIGHTNESS, SHARPNESS,
- AFFINE_BILINEAR, AFFINE_BICUBIC, AFFINE_NEAREST, IDENTITY) = range(14)
-NUM_OPS = 14
+# Device op ids and their arguments (ARGS floats per image and layer: a factor / threshold / mask in [0], or a 2x3
+# affine matrix) are the fused kernel's (kernels.rand_augment). The PyTorch path sorts a layer's images by op id, so
+# every op works on one contiguous slice; the three affine ids (one per grid_sample mode) hold rotations, shears and
+# translations as per-image matrices.
 _AFFINE_MODES = {AFFINE_BILINEAR: "bilinear", AFFINE_BICUBIC: "bicubic", AFFINE_NEAREST: "nearest"}
-ARGS = 6  # floats per image and layer: a factor / threshold / mask in [0], or a 2x3 affine matrix
 
 # RandAugment's op set (the paper's, as timm names it); 'inc1' swaps in the variants whose severity grows
 # with the magnitude for Posterize, Solarize and the four enhancements
@@ -412,9 +435,9 @@ def apply_op(op: int, x: torch.Tensor, a: torch.Tensor, consts: dict[str, torch.
 def resized_crops(images: Sequence[torch.Tensor], boxes: np.ndarray, modes: np.ndarray,
                   size: tuple[int, int]) -> torch.Tensor:
     """Crop ``boxes`` (top, left, height, width) out of each (3, H_i, W_i) uint8 image and resize to ``size``
-    (antialiased like PIL, except nearest): a (B, 3, *size) uint8 batch, rounded. One F.interpolate per image.
-    (kernels.crop_resize does the batch in two launches and matches this in the Triton interpreter, but its first
-    H100 run made the pipeline differ from the CPU's by 0.49 levels on average: not used until its GPU tests pass.)"""
+    (antialiased like PIL, except nearest): a (B, 3, *size) uint8 batch, rounded. One F.interpolate per image: the
+    PyTorch path and the reference of kernels.crop_resize (TrainTransform's kernels, which do the batch in two
+    launches; on the H100 within 1 level of this on under 1% of values: test_gpu_crop_resize_matches_...)."""
     out = []
     for img, (top, left, h, w), m in zip(images, boxes.tolist(), modes.tolist()):
         crop = img[None, :, top:top + h, left:left + w].float()
@@ -463,10 +486,15 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 class TrainTransform:
     """RandomResizedCrop, flip and RandAugment (or colour jitter) of decoded images into a uint8 batch on the
     images' device. ``plan`` draws the random choices on the host; ``apply`` runs them; ``to(device)`` makes the
-    constants once (a tensor made from host values inside the loop would synchronise with the device)."""
+    constants once (a tensor made from host values inside the loop would synchronise with the device).
 
-    def __init__(self, spec: TrainSpec):
-        self.spec = spec
+    ``kernels``: the crops in kernels.crop_resize and each augmentation layer in kernels.rand_augment, a handful of
+    launches per batch (CUDA, or the CPU under the Triton interpreter: the default there), instead of per-image
+    F.interpolate calls and per-op slices (~120 launches, ~25 ms of host time per batch of 128 on the H100
+    machine; the PyTorch path, the reference the kernels are tested against)."""
+
+    def __init__(self, spec: TrainSpec, kernels: bool | None = None):
+        self.spec, self.kernels = spec, kernels
         self._consts: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     def to(self, device: torch.device) -> TrainTransform:
@@ -486,8 +514,13 @@ class TrainTransform:
     def plan(self, sizes: Sequence[tuple[int, int]], rng: np.random.Generator) -> BatchPlan:
         return plan_batch(self.spec, sizes, rng)
 
+    def uses_kernels(self, device: torch.device) -> bool:
+        return self.kernels if self.kernels is not None else (device.type == "cuda" or interpreting())
+
     def apply(self, images: Sequence[torch.Tensor], plan: BatchPlan) -> torch.Tensor:
         device = images[0].device
+        if self.uses_kernels(device):
+            return self._apply_kernels(images, plan)
         consts = self.to(device)._consts[device]
         x = resized_crops(images, plan.boxes, plan.modes, self.spec.size)
         if not plan.flips.any() and not plan.layers:
@@ -507,6 +540,24 @@ class TrainTransform:
                 start += count
         if layout:
             x = x[params[inverse_at:inverse_at + n].long()]
+        return x
+
+    def _apply_kernels(self, images: Sequence[torch.Tensor], plan: BatchPlan) -> torch.Tensor:
+        """apply() in kernels: crops (two launches), flips (one), and per layer two launches whatever its ops."""
+        device = images[0].device
+        fill = self.to(device)._consts[device]["fill"].view(3)
+        x = crop_resize(list(images), plan.boxes, plan.modes, self.spec.size)
+        n = x.shape[0]
+        # one host-to-device copy: the flips, then per layer the op ids (exact in float32) and the arguments
+        params = _to_device(np.concatenate([plan.flips.astype(np.float32)] + [
+            np.concatenate([ops.astype(np.float32), args.astype(np.float32).reshape(-1)]) for ops, args in plan.layers
+        ]), device)
+        if plan.flips.any():
+            x = torch.where(_col(params[:n] > 0.5), x.flip(-1), x)
+        for k in range(len(plan.layers)):
+            at = n + k * n * (1 + ARGS)
+            x = augment_layer(x, params[at:at + n].to(torch.int32), params[at + n:at + n * (1 + ARGS)].view(n, ARGS),
+                              fill)
         return x
 
     def __call__(self, images: Sequence[torch.Tensor], rng: np.random.Generator) -> torch.Tensor:
