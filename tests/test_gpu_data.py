@@ -696,9 +696,9 @@ def test_gpu_nvjpeg_matches_cpu_decoding(photos):
 
 @pytest.mark.gpu
 def test_gpu_transforms_match_the_cpu_on_identical_inputs(photos):
-    """The same plan on the same decoded images, on CUDA (kernels) and on the CPU (PyTorch ops): crops and every
-    RandAugment op give the same uint8 batch up to float rounding (a threshold op can turn a 1-level difference into a
-    larger one on a few pixels); the crops and the layers also apart."""
+    """The same plan on the same decoded images, on CUDA (kernels) and on the CPU (PyTorch ops): the crops within 1
+    level on under 1% of values, each RandAugment layer from the same input within 1 level (nearest affine: but a
+    few pixels), the whole chain close (1-level differences compound through later thresholds and tables)."""
     from kernels.crop_resize import crop_resize
     images = _decode_cpu([_jpeg(p) for p in photos]) * 4
     spec = ga.TrainSpec(size=(224, 224), interpolation="random",
@@ -711,13 +711,17 @@ def test_gpu_transforms_match_the_cpu_on_identical_inputs(photos):
     crops = ga.resized_crops(images, plan.boxes, plan.modes, spec.size)
     crop_diff = _levels(crop_resize([i.cuda() for i in images], plan.boxes, plan.modes, spec.size).cpu(), crops)
     assert crop_diff.max() <= 1 and (crop_diff > 0).float().mean() < 0.01, crop_diff.float().mean()
-    same_crops = ga.BatchPlan(np.array([[0, 0, *spec.size]] * len(images)), np.full(len(images), 2), plan.flips,
-                              plan.layers)  # nearest-exact from the whole crop: the crop itself
-    layer_diff = _levels(tf.apply([c.cuda() for c in crops], same_crops).cpu(),
-                         ga.TrainTransform(spec, kernels=False).apply(list(crops), same_crops)).float()
-    assert layer_diff.mean() < 0.1 and (layer_diff > 1).float().mean() < 5e-3, layer_diff.mean()
-    diff = _levels(gpu, cpu).float()
-    assert diff.mean() < 0.1 and (diff > 1).float().mean() < 5e-3, (diff.mean(), (diff > 1).float().mean())
+    # each layer from the same input (a 1-level difference can move a later lookup table or threshold by more):
+    # nearest-exact from the whole image (the image itself), no flips, that layer only
+    whole = np.array([[0, 0, *spec.size]] * len(images))
+    x = crops
+    for ops, args in plan.layers:
+        one = ga.BatchPlan(whole, np.full(len(images), 2), np.zeros(len(images), dtype=bool), [(ops, args)])
+        want = ga.TrainTransform(spec, kernels=False).apply(list(x), one)
+        assert _layer_levels(tf.apply([i.cuda() for i in x], one).cpu(), want, ops).max() <= 1
+        x = want
+    diff = _levels(gpu, cpu).float()  # the whole chain: differences compound, but stay rare
+    assert diff.mean() < 1 and (diff > 1).float().mean() < 0.05, (diff.mean(), (diff > 1).float().mean())
     ev = ga.EvalTransform(ga.EvalSpec(224))
     assert _levels(ev([i.cuda() for i in images]).cpu(), ev(images)).max() <= 1
 
@@ -769,4 +773,5 @@ def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path, work
         got, want = prints["cuda"][k].cpu().double(), prints["cpu"][k].double()
         assert got.shape == want.shape == (48, 3)
         assert torch.equal(got[:, 2], want[:, 2])  # the same images in the same order
-        assert ((got[:, :2] - want[:, :2]).abs() * STD_LEVELS).max() < tolerance, k
+        worst = ((got[:, :2] - want[:, :2]).abs() * STD_LEVELS).max(dim=0).values  # mean, std: in levels
+        assert worst.max() < tolerance, (["train", "eval"][k], worst.tolist())
