@@ -7,7 +7,7 @@ flips, and for each image its RandAugment ops and magnitudes (or colour-jitter f
 1. crops and resizes every decoded image to the model's size (the images have different sizes), antialiased as PIL
    resizes, rounded to uint8 as PIL stores it: kernels.crop_resize, two launches for the batch;
 2. flips the selected images of the uint8 batch;
-3. runs each augmentation layer over the whole batch in two launches (kernels.rand_augment: each image's op and
+3. runs each augmentation layer over the whole batch in four launches (kernels.rand_augment: each image's op and
    arguments come from a table).
 
 The same steps in PyTorch ops (``TrainTransform(kernels=False)``, the default on the CPU without the Triton
@@ -543,7 +543,7 @@ class TrainTransform:
         return x
 
     def _apply_kernels(self, images: Sequence[torch.Tensor], plan: BatchPlan) -> torch.Tensor:
-        """apply() in kernels: crops (two launches), flips (one), and per layer two launches whatever its ops."""
+        """apply() in kernels: crops (two launches), flips (one), and per layer four launches whatever its ops."""
         device = images[0].device
         fill = self.to(device)._consts[device]["fill"].view(3)
         x = crop_resize(list(images), plan.boxes, plan.modes, self.spec.size)

@@ -338,7 +338,7 @@ def _layer_levels(got: torch.Tensor, want: torch.Tensor, ops: np.ndarray) -> tor
 def test_augment_layers_apply_each_images_own_ops(photos, kernels):
     """Each layer of the batch applies each image's own op (apply_op on that image alone, on the layer's input).
     PyTorch path (images grouped by op, one call per op, original order restored): within 1 level, through all the
-    layers. Kernels (crops by kernels.crop_resize, flips, each layer two launches of kernels.rand_augment): the
+    layers. Kernels (crops by kernels.crop_resize, flips, each layer four launches of kernels.rand_augment): the
     transform's batch is exactly that chain, and each layer is within 1 level of apply_op on its input (checked
     per layer: a 1-level difference can move a later lookup table or threshold by more)."""
     from kernels.crop_resize import crop_resize
