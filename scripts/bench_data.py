@@ -153,8 +153,9 @@ def train_row(cfg: DictConfig, root: Path, out_dir: Path, name: str, timeout: fl
     if name == "synthetic":  # as many steps per epoch and classes as the folder
         n = len(list((root / "train").glob("*/*")))
         classes = len([d for d in (root / "train").iterdir() if d.is_dir()])
-        args += ["data=synthetic", f"data.train_samples={n}", f"data.val_samples={max(cfg.batch_size, 64)}",
-                 f"data.num_classes={classes}"]
+        args = synthetic_recipe(args, run_dir) + [
+            "data=synthetic", f"data.train_samples={n}", f"data.val_samples={max(cfg.batch_size, 64)}",
+            f"data.num_classes={classes}"]
     else:
         args += [f"data.root={root}", f"data.decode={name}",
                  f"data.num_workers={workers(t.cpu_workers if name == 'cpu' else t.gpu_workers)}"]
@@ -168,6 +169,23 @@ def train_row(cfg: DictConfig, root: Path, out_dir: Path, name: str, timeout: fl
                    img_s_per_epoch=[h.get("images_per_sec") for h in s.get("history", [])],
                    cpu_decoded=s.get("cpu_decoded_images"), checkpoint=str(run_dir / "checkpoints" / "last.pt"))
     return row
+
+
+def synthetic_recipe(args: list[str], run_dir: Path) -> list[str]:
+    """``args`` for a data=synthetic run with the same model and training recipe. An experiment such as
+    imagenet_swin_tiny also sets the folder dataset's augmentation keys, which data=synthetic does not have (the
+    composition fails), so its model and train sections, as train.py composes them (``--cfg job``), become an
+    experiment file of their own (in ``run_dir``'s parent, found through hydra.searchpath)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--cfg", "job"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    composed = OmegaConf.create(proc.stdout)
+    search = run_dir.parent / f"{run_dir.name}_configs"
+    (search / "experiment").mkdir(parents=True, exist_ok=True)
+    body = OmegaConf.create({"defaults": [{"override /model": composed.model.name}], "model": composed.model,
+                             "train": composed.train})
+    (search / "experiment" / "bench_synthetic.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(body))
+    kept = [a for a in args if not a.startswith(("experiment=", "model=", "train.", "+train."))]
+    return [*kept, f"hydra.searchpath=[file://{search.resolve()}]", "experiment=bench_synthetic"]
 
 
 def eval_row(cfg: DictConfig, root: Path, out_dir: Path, checkpoint: str, decode: str,

@@ -385,23 +385,31 @@ def test_loop_report_compares_each_run_with_the_model_step_of_its_compile_mode(t
 @pytest.mark.slow
 def test_bench_data_cpu(tmp_path):
     """scripts/bench_data.py on a tiny generated folder: loader rows for both decode paths, train.py with
-    data.decode=gpu, eval.py with each decode path on its checkpoint (equal top-1: same resize and crop)."""
+    data.decode=gpu and on synthetic data with the experiment's recipe, eval.py with each decode path on its
+    checkpoint (equal top-1: same resize and crop)."""
     out = tmp_path / "out"
     run_script([str(ROOT / "scripts/bench_data.py"), "device=cpu", "model=swin_micro",
                 "data.auto_augment=rand-m9-mstd0.5-inc1",
                 f"generate.dir={tmp_path / 'fake'}", "generate.classes=2", "generate.train_per_class=8",
                 "generate.val_per_class=2", "batch_size=4", "loader.cpu_workers=[1]", "loader.gpu_workers=[1]",
-                "loader.warmup_batches=1", "loader.seconds=0.3", "train.rows=[gpu]", "train.epochs=1",
+                "loader.warmup_batches=1", "loader.seconds=0.3", "train.rows=[gpu,synthetic]", "train.epochs=1",
                 "train.compile=false", 'train.args=["experiment=imagenet_swin_tiny","train.warmup_epochs=0",'
                 '"logger.wandb.mode=disabled","logger.progress=false","train.save_every_epochs=0"]',
                 "eval.workers=0", f"out_dir={out}"], cwd=tmp_path, timeout=240)
     result = json.loads((out / "bench_data.json").read_text())
     assert result["folder"]["train_files"] == 16 and 60 < result["folder"]["mean_kb"] < 160
     rows = {(r["kind"], r.get("decode") or r.get("name")): r for r in result["rows"]}
-    assert set(rows) == {("loader", "cpu"), ("loader", "gpu"), ("train", "gpu"), ("eval", "cpu"), ("eval", "gpu")}
+    assert set(rows) == {("loader", "cpu"), ("loader", "gpu"), ("train", "gpu"), ("train", "synthetic"),
+                         ("eval", "cpu"), ("eval", "gpu")}
     for r in rows.values():
         assert "error" not in r and "skipped" not in r, r
-    assert all(positive(rows[k]["img_s"]) for k in [("loader", "cpu"), ("loader", "gpu"), ("train", "gpu")])
+    assert all(positive(rows[k]["img_s"]) for k in [("loader", "cpu"), ("loader", "gpu"), ("train", "gpu"),
+                                                     ("train", "synthetic")])
+    # the synthetic run trains with the experiment's recipe (its data keys do not apply to synthetic data)
+    from omegaconf import OmegaConf
+    synthetic = OmegaConf.load(Path(rows[("train", "synthetic")]["run_dir"]) / ".hydra" / "config.yaml")
+    assert synthetic.train.label_smoothing == 0.1 and synthetic.train.mixup == 0.8 and synthetic.train.epochs == 1
+    assert synthetic.data.name == "synthetic" and synthetic.model.name == "swin_micro"
     assert rows[("loader", "gpu")]["batches"] >= 4 and rows[("train", "gpu")]["workers"] == 8
     assert rows[("eval", "cpu")]["num_images"] == rows[("eval", "gpu")]["num_images"] == 4
     assert rows[("eval", "cpu")]["top1"] == rows[("eval", "gpu")]["top1"]
