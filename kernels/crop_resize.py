@@ -137,7 +137,9 @@ def crop_resize(images: list[torch.Tensor], boxes: np.ndarray, modes: np.ndarray
     meta = np.stack([np.cumsum(pixels) - pixels, heights, widths, boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3],
                      np.asarray(modes, dtype=np.int64), np.cumsum(row_sizes) - row_sizes], axis=1)
     assert meta.shape[1] == META
-    meta_t = torch.from_numpy(meta).to(device)
+    meta_t = torch.from_numpy(meta)
+    # pinned and asynchronous: a copy from pageable memory would make the caller's thread wait for its stream
+    meta_t = meta_t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta_t
     src = torch.cat([img.reshape(-1) for img in images])
     rows = torch.empty(int(row_sizes.sum()), dtype=torch.float32, device=device)
     out = torch.empty((n, 3, out_h, out_w), dtype=torch.uint8, device=device)

@@ -37,9 +37,10 @@ _AUTOCONTRAST, _EQUALIZE, _INVERT, _POSTERIZE, _SOLARIZE, _SOLARIZE_ADD, _COLOR,
     _AFFINE_BILINEAR, _AFFINE_BICUBIC, _AFFINE_NEAREST, _IDENTITY = (tl.constexpr(op) for op in range(NUM_OPS))
 ARGS = 6  # fp32 arguments per image: a factor / threshold / mask in [0], or a 2x3 affine matrix (affine_grid's theta)
 # an image's int32 statistics row: three 256-bin histograms, 255 - min and max per channel, the grey sum
-_MIN, _MAX, _GREY = tl.constexpr(768), tl.constexpr(771), tl.constexpr(774)
-ACC = 776
-_ACC = tl.constexpr(ACC)
+HISTOGRAMS = 3 * 256
+ACC = HISTOGRAMS + 3 + 3 + 2  # padded to an even row
+_MIN, _MAX, _GREY = tl.constexpr(HISTOGRAMS), tl.constexpr(HISTOGRAMS + 3), tl.constexpr(HISTOGRAMS + 6)
+_ACC, _ARGS = tl.constexpr(ACC), tl.constexpr(ARGS)
 BLOCK = 1024
 
 
@@ -156,6 +157,7 @@ def _affine(base, args, fill_ptr, op, y, x, H, W, live):
     HW = H * W
     t00, t01, t02 = tl.load(args), tl.load(args + 1), tl.load(args + 2)
     t10, t11, t12 = tl.load(args + 3), tl.load(args + 4), tl.load(args + 5)
+    # affine_grid's pixel centres (2x + 1) / W - 1, divided exactly (div_rn wants tensors of one shape: W broadcast)
     xn = tl.math.div_rn(2.0 * x.to(tl.float32) + 1.0, (x * 0 + W).to(tl.float32)) - 1.0
     yn = tl.math.div_rn(2.0 * y.to(tl.float32) + 1.0, (y * 0 + H).to(tl.float32)) - 1.0
     gx = t00 * xn + t01 * yn + t02
@@ -228,7 +230,7 @@ def layer_apply_kernel(x_ptr, out_ptr, ops_ptr, args_ptr, acc_ptr, lut_ptr, fill
     live = at < HW
     op = tl.load(ops_ptr + img)
     base = x_ptr + img.to(tl.int64) * 3 * HW
-    args = args_ptr + img * 6
+    args = args_ptr + img * _ARGS
     a0 = tl.load(args)
     r = tl.load(base + at, mask=live, other=0).to(tl.int32)
     g = tl.load(base + HW + at, mask=live, other=0).to(tl.int32)
@@ -254,6 +256,7 @@ def layer_apply_kernel(x_ptr, out_ptr, ops_ptr, args_ptr, acc_ptr, lut_ptr, fill
         d = _grey(r, g, b)
         r, g, b = _blend(d, r, a0), _blend(d, g, a0), _blend(d, b, a0)
     elif op == _CONTRAST:
+        # the grey mean divided exactly, as the reference's mean (HW + 0 * img: a tensor, as div_rn needs)
         mean = tl.math.div_rn(tl.load(acc_ptr + img * _ACC + _GREY).to(tl.float32), (HW + 0 * img).to(tl.float32))
         d = tl.floor(mean + 0.5)
         r, g, b = _blend(d, r, a0), _blend(d, g, a0), _blend(d, b, a0)
@@ -289,7 +292,8 @@ def _stretch(v, acc):
     lo = (255 - tl.load(acc + _MIN)).to(tl.float32)
     hi = tl.load(acc + _MAX).to(tl.float32)
     flat = hi <= lo
-    scale = tl.where(flat, 1.0, tl.math.div_rn(hi * 0.0 + 255.0, tl.maximum(hi - lo, 1.0)))
+    # PyTorch evaluates the reference's 255.0 / d as reciprocal(d) * 255: the same two roundings here
+    scale = tl.where(flat, 1.0, tl.math.div_rn(hi * 0.0 + 1.0, tl.maximum(hi - lo, 1.0)) * 255.0)
     lo = tl.where(flat, 0.0, lo)
     return tl.minimum(tl.maximum((v.to(tl.float32) - lo) * scale, 0.0), 255.0).to(tl.int32)
 
@@ -298,9 +302,13 @@ def augment_layer(x: torch.Tensor, ops: torch.Tensor, args: torch.Tensor, fill: 
     """One layer: image k of the (n, 3, H, W) uint8 batch x gets op ``ops[k]`` (int32, the ids above) with arguments
     ``args[k]`` ((n, ARGS) fp32); ``fill`` (3,) fp32 is the colour of affine sources outside the image. A new
     uint8 batch; all tensors on x's device."""
-    n, c, h, w = x.shape
-    if c != 3 or x.dtype != torch.uint8:
+    if x.dim() != 4 or x.shape[1] != 3 or x.dtype != torch.uint8:
         raise ValueError(f"augment_layer takes (n, 3, H, W) uint8 batches, got {tuple(x.shape)} {x.dtype}")
+    n, _, h, w = x.shape
+    if h * w * 255 >= 2**31:
+        raise ValueError(f"augment_layer takes images of under 8.4M pixels (int32 sums), got {h}x{w}")
+    if any(t.device != x.device for t in (ops, args, fill)) or fill.shape != (3,) or fill.dtype != torch.float32:
+        raise ValueError(f"augment_layer needs ops, args and a (3,) float32 fill on the batch's device ({x.device})")
     if ops.shape != (n,) or ops.dtype != torch.int32 or args.shape != (n, ARGS) or args.dtype != torch.float32:
         raise ValueError(f"augment_layer needs ops ({n},) int32 and args ({n}, {ARGS}) float32, got "
                          f"{tuple(ops.shape)} {ops.dtype} and {tuple(args.shape)} {args.dtype}")

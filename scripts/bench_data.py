@@ -177,7 +177,9 @@ def synthetic_recipe(args: list[str], run_dir: Path) -> list[str]:
     composition fails), so its model and train sections, as train.py composes them (``--cfg job``), become an
     experiment file of their own (in ``run_dir``'s parent, found through hydra.searchpath)."""
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--cfg", "job"], cwd=ROOT,
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode:
+        raise RuntimeError(f"composing the synthetic row's recipe failed: {(proc.stderr or proc.stdout)[-800:]}")
     composed = OmegaConf.create(proc.stdout)
     search = run_dir.parent / f"{run_dir.name}_configs"
     (search / "experiment").mkdir(parents=True, exist_ok=True)
@@ -185,7 +187,7 @@ def synthetic_recipe(args: list[str], run_dir: Path) -> list[str]:
                              "train": composed.train})
     (search / "experiment" / "bench_synthetic.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(body))
     kept = [a for a in args if not a.startswith(("experiment=", "model=", "train.", "+train."))]
-    return [*kept, f"hydra.searchpath=[file://{search.resolve()}]", "experiment=bench_synthetic"]
+    return [*kept, f"hydra.searchpath=['file://{search.resolve()}']", "experiment=bench_synthetic"]
 
 
 def eval_row(cfg: DictConfig, root: Path, out_dir: Path, checkpoint: str, decode: str,

@@ -82,7 +82,9 @@ def pipeline(jpegs: list[bytes], to_host: bool, augment: bool = True, chunk: int
     return one_batch
 
 
-def _worker(jpegs: list[bytes], stop, batches, augment: bool) -> None:
+def _worker(jpegs: list[bytes], stop, batches, augment: bool, kernels: bool) -> None:
+    global AUGMENT_KERNELS
+    AUGMENT_KERNELS = kernels  # a spawned process imports this module afresh
     torch.cuda.set_device(0)
     one_batch = pipeline(jpegs, to_host=True, augment=augment)
     while not stop.is_set():
@@ -230,7 +232,8 @@ def beside_processes(jpegs: list[bytes], graph, processes: int, seconds: float, 
     hardly uses the SMs still cost the step its time slices?"""
     ctx = mp.get_context("spawn")  # CUDA in a child needs spawn
     stop, batches = ctx.Event(), ctx.Value("i", 0)
-    procs = [ctx.Process(target=_worker, args=(jpegs, stop, batches, augment)) for _ in range(processes)]
+    procs = [ctx.Process(target=_worker, args=(jpegs, stop, batches, augment, AUGMENT_KERNELS))
+             for _ in range(processes)]
     for p in procs:
         p.start()
     while batches.value < 2 * processes:  # all started (import, CUDA context, first batches)
@@ -321,7 +324,7 @@ def beside_pipelined(jpegs: list[bytes], graph, seconds: float, chunk: int, deco
         with torch.cuda.stream(stream):
             while not stop.is_set():
                 try:
-                    images, source = decoded.get(timeout=0.1)
+                    images, _ = decoded.get(timeout=0.1)
                 except queue.Empty:
                     continue
                 for img in images:  # made on the decoding thread's stream (synchronised there)

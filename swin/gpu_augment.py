@@ -546,6 +546,8 @@ class TrainTransform:
         """apply() in kernels: crops (two launches), flips (one), and per layer four launches whatever its ops."""
         device = images[0].device
         fill = self.to(device)._consts[device]["fill"].view(3)
+        if any(((ops < 0) | (ops >= NUM_OPS)).any() for ops, _ in plan.layers):
+            raise ValueError(f"augmentation op ids must lie in 0..{NUM_OPS - 1}")
         x = crop_resize(list(images), plan.boxes, plan.modes, self.spec.size)
         n = x.shape[0]
         # one host-to-device copy: the flips, then per layer the op ids (exact in float32) and the arguments

@@ -190,7 +190,7 @@ class JpegDecoder:
         on_cpu.append(path)
         return img.to(self.device, non_blocking=True)
 
-    def __call__(self, batch: EncodedBatch, files_per_call: int = 0
+    def __call__(self, batch: EncodedBatch, per_call: int = 0
                  ) -> tuple[list[torch.Tensor], torch.Tensor, int, list[str]]:
         """(decoded (3, H, W) uint8 images on the device, their labels, files dropped in this batch, paths of the
         files decoded on the CPU: here, or already by the dataset)."""
@@ -198,7 +198,7 @@ class JpegDecoder:
         on_cpu = [batch.paths[k] for k in batch.decoded]
         slots = [k for k, n in enumerate(batch.sizes) if n > 0]
         ends = np.cumsum(batch.sizes).tolist()
-        step = files_per_call or len(slots) or 1
+        step = per_call or len(slots) or 1
         for start in range(0, len(slots), step):
             part = slots[start:start + step]
             blobs = [batch.data[ends[k] - batch.sizes[k]:ends[k]] for k in part]  # views, no copies

@@ -369,9 +369,9 @@ def test_augment_layers_apply_each_images_own_ops(photos, kernels):
 def test_rand_augment_kernel_layer_matches_each_op(photos):
     """kernels.rand_augment: one layer over a batch whose images drew different ops (every op, random magnitudes and
     signs, a flat image for the degenerate cases of autocontrast and equalize) against apply_op per image: integer
-    ops and lookup tables equal, enhancements within 1 level, bilinear and bicubic affine ops within 1 level (the
-    sample positions may differ in the last bit, which moves a value that lands on an integer, as all do on the flat
-    image, by one truncated level), nearest ones on all but a few pixels (_layer_levels)."""
+    ops, lookup tables and autocontrast equal, enhancements within 1 level, bilinear and bicubic affine ops within 1
+    level (the sample positions may differ in the last bit, which moves a value that lands on an integer, as all do
+    on the flat image, by one truncated level), nearest ones on all but a few pixels (_layer_levels)."""
     from kernels.rand_augment import augment_layer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rng = _rng()
@@ -395,7 +395,7 @@ def test_rand_augment_kernel_layer_matches_each_op(photos):
     for k, op in enumerate(ops):
         want = ga.apply_op(op, x[k:k + 1], args_t[k:k + 1], consts) if op != ga.IDENTITY else x[k:k + 1]
         diff = _layer_levels(got[k:k + 1], want, np.array([op]))
-        exact = op in (ga.EQUALIZE, ga.INVERT, ga.POSTERIZE, ga.SOLARIZE, ga.SOLARIZE_ADD, ga.IDENTITY)
+        exact = op in (ga.AUTOCONTRAST, ga.EQUALIZE, ga.INVERT, ga.POSTERIZE, ga.SOLARIZE, ga.SOLARIZE_ADD, ga.IDENTITY)
         assert diff.numel() == 0 or diff.max() <= (0 if exact else 1), (k, op, diff.max())
     with pytest.raises(ValueError, match="uint8"):
         augment_layer(x.float(), torch.tensor(ops, dtype=torch.int32, device=device), args_t, consts["fill"].view(3))
@@ -531,7 +531,7 @@ def test_decoding_in_calls_of_a_few_files_gives_the_same_batch(photos, tmp_path)
     whole = _CallSizes(torch.device("cpu"), skip_corrupt=True)
     images, targets, skipped, on_cpu = whole(batch)
     chunked = _CallSizes(torch.device("cpu"), skip_corrupt=True)
-    got_images, got_targets, got_skipped, got_on_cpu = chunked(batch, files_per_call=2)
+    got_images, got_targets, got_skipped, got_on_cpu = chunked(batch, per_call=2)
     # four files reach the decoder (good, progressive, grey, truncated): one call of 4, or calls of 2, each failed
     # call (the progressive file in the first, the truncated one in the second) retried file by file
     assert whole.sizes == [4, 1, 1, 1, 1] and chunked.sizes == [2, 1, 1, 2, 1, 1]
