@@ -73,6 +73,7 @@ class ImageFolderDataConfig(DataConfig):
     val_dir: str = MISSING
     skip_corrupt: bool = MISSING
     decode: str = MISSING
+    gpu_decode_thread: bool = MISSING
     mean: list[float] = MISSING
     std: list[float] = MISSING
     interpolation: str = MISSING

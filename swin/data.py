@@ -162,6 +162,9 @@ def decode_mode(cfg: Any) -> str:
 
 def check_decode(cfg: Any, img_size: Any) -> None:
     """Raise ValueError (naming the data.* key) for what data.decode=gpu cannot do, before any work."""
+    if cfg.get("gpu_decode_thread", False) and decode_mode(cfg) != "gpu":
+        raise ValueError("data.gpu_decode_thread=true decodes on the GPU in a thread of the training process: it "
+                         "needs data.decode=gpu (or drop data.gpu_decode_thread)")
     if decode_mode(cfg) == "gpu":
         from .gpu_augment import eval_spec, train_spec
         train_spec(cfg, img_size)
@@ -401,6 +404,8 @@ class DeviceLoader:
                 self._count_cpu_decoded(on_cpu[0])
             if cuda:
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
+                if x.is_cuda:  # made on another stream (swin.gpu_data): its memory is not reused while we read it
+                    x.record_stream(self._stream)
                 with torch.cuda.stream(self._stream):
                     ready = (*self._to_device(x, y), skipped)
             else:
@@ -460,7 +465,7 @@ def build_eval_loader(val: Dataset, cfg: Any, device: torch.device, rank: int, w
         return SyntheticLoader(val, batch_size, device, norm, rank, world_size, seed=0, train=False)
     loader = DataLoader(val, batch_size=batch_size, sampler=ShardSampler(len(val), rank, world_size),
                         **_worker_settings(cfg, device, val))
-    return DeviceLoader(loader, device, norm)
+    return DeviceLoader(_decoding(loader, cfg, device, val), device, norm)
 
 
 def _encoded_folder(ds: Dataset) -> Any:
@@ -479,7 +484,10 @@ def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, seed: int = 0)
     settings = dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
                     persistent_workers=workers > 0)
     encoded = _encoded_folder(ds)
-    if encoded is not None:
+    if encoded is not None and cfg.get("gpu_decode_thread", False):  # the workers only read files
+        from .gpu_data import collate_encoded
+        settings.update(collate_fn=collate_encoded, pin_memory=False)
+    elif encoded is not None:
         from .gpu_data import DeviceCollate
         settings["collate_fn"] = DeviceCollate(device, encoded.device_transform, encoded.skip_corrupt, seed)
         if device.type == "cuda" and workers > 0:
@@ -487,6 +495,16 @@ def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, seed: int = 0)
         elif device.type == "cuda":  # decoded in this process: the batches are on the device already
             settings["pin_memory"] = False
     return settings
+
+
+def _decoding(loader: DataLoader, cfg: Any, device: torch.device, ds: Dataset, seed: int = 0) -> Any:
+    """``loader``, or with data.gpu_decode_thread its batches decoded and augmented in a thread of this process
+    (swin.gpu_data.DecodeThread)."""
+    encoded = _encoded_folder(ds)
+    if encoded is None or not cfg.get("gpu_decode_thread", False):
+        return loader
+    from .gpu_data import DecodeThread, DeviceCollate
+    return DecodeThread(loader, DeviceCollate(device, encoded.device_transform, encoded.skip_corrupt, seed))
 
 
 def build_loaders(ds: Datasets, cfg: Any, device: torch.device, rank: int, world_size: int, micro_batch: int,
@@ -502,4 +520,4 @@ def build_loaders(ds: Datasets, cfg: Any, device: torch.device, rank: int, world
     sampler = ResumableDistributedSampler(ds.train, world_size, rank, shuffle=True, seed=seed)
     train = DataLoader(ds.train, batch_size=micro_batch, sampler=sampler, drop_last=True,
                        **_worker_settings(cfg, device, ds.train, seed))
-    return DeviceLoader(train, device, train_norm, sampler), val
+    return DeviceLoader(_decoding(train, cfg, device, ds.train, seed), device, train_norm, sampler), val

@@ -29,11 +29,15 @@ With ``device="cpu"`` everything runs on the CPU, the same code: that is what th
 """
 from __future__ import annotations
 
+import contextlib
 import io
+import queue
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -234,7 +238,10 @@ class DeviceCollate:
 
     def __call__(self, samples: Sequence[tuple[bytes | torch.Tensor, int, str, int] | None]
                  ) -> tuple[torch.Tensor, torch.Tensor, int, list[str]]:
-        batch = collate_encoded(samples)
+        return self.transform_batch(collate_encoded(samples))
+
+    def transform_batch(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor, int, list[str]]:
+        """A collated batch of files decoded and transformed on the device (see the class)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         with torch.no_grad():
@@ -246,5 +253,70 @@ class DeviceCollate:
         return x, targets, skipped, on_cpu
 
 
-__all__ = ["DeviceCollate", "EncodedBatch", "EncodedImageFolder", "FILES_PER_CALL_BESIDE_STEP", "JpegDecoder",
-           "collate_encoded", "decode_on_cpu", "files_per_call", "jpeg_frame", "nvjpeg_can_decode"]
+class DecodeThread:
+    """``data.gpu_decode_thread=true``: the loader's workers only read files (``collate_fn=collate_encoded``); one
+    thread of the training process decodes and transforms each batch (DeviceCollate.transform_batch) on a CUDA stream
+    of its own, waits for that stream (the thread only, never the training loop) and hands the batch over through a
+    queue of ``prefetch`` batches, in the sampler's order. No second CUDA context time-slices the GPU with the
+    training step, as the workers' do (docs/benchmarks.md, 2026-11-24); the thread calls nvJPEG with a few files at a
+    time (files_per_call). An error in the thread is raised in the consumer. Iterated like the DataLoader it wraps
+    (``dataset``, ``batch_size``, ``len``), by swin.data.DeviceLoader."""
+
+    def __init__(self, loader: Any, collate: DeviceCollate, prefetch: int = 2):
+        self.loader, self.collate, self.prefetch = loader, collate, prefetch
+        self.dataset, self.batch_size = loader.dataset, loader.batch_size
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def _work(self, out: queue.Queue, stop: threading.Event) -> None:
+        device = self.collate.device
+        stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for batch in self.loader:
+                    ready = self.collate.transform_batch(batch)
+                    if stream is not None:
+                        stream.synchronize()  # this thread waits for its own work; the consumer never does
+                    if not _put(out, ready, stop):
+                        return
+            _put(out, _END, stop)
+        except BaseException as e:  # handed to the consumer, raised there
+            _put(out, _Failure(e), stop)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, list[str]]]:
+        out: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        worker = threading.Thread(target=self._work, args=(out, stop), name="gpu-decode", daemon=True)
+        worker.start()
+        try:
+            while (item := out.get()) is not _END:
+                if isinstance(item, _Failure):
+                    raise item.error
+                yield item
+        finally:  # also when the consumer stops early: the thread ends at its next hand-over
+            stop.set()
+            worker.join(timeout=60)
+
+
+_END = object()
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Puts item unless the consumer has stopped (False then)."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            pass
+    return False
+
+
+__all__ = ["DecodeThread", "DeviceCollate", "EncodedBatch", "EncodedImageFolder", "FILES_PER_CALL_BESIDE_STEP",
+           "JpegDecoder", "collate_encoded", "decode_on_cpu", "files_per_call", "jpeg_frame", "nvjpeg_can_decode"]

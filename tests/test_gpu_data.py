@@ -34,6 +34,7 @@ from swin.data import (
 from swin.engine import ConfigError, check_config
 from swin.gpu_data import (
     FILES_PER_CALL_BESIDE_STEP,
+    DecodeThread,
     DeviceCollate,
     EncodedImageFolder,
     JpegDecoder,
@@ -544,29 +545,35 @@ def test_decoding_in_calls_of_a_few_files_gives_the_same_batch(photos, tmp_path)
 
 
 # --- the loader ---------------------------------------------------------------------------------------------
-def _loader(root: Path, batch: int = 3, workers: int = 0, skip_corrupt: bool = False) -> DeviceLoader:
+def _loader(root: Path, batch: int = 3, workers: int = 0, skip_corrupt: bool = False,
+            thread: bool = False) -> DeviceLoader:
+    """data.decode=gpu's training loader on the CPU; thread: decoded in a DecodeThread, the workers reading files."""
     spec = ga.TrainSpec(size=(32, 32), rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
     ds = EncodedImageFolder(root, ga.TrainTransform(spec), skip_corrupt=skip_corrupt)
     sampler = ResumableDistributedSampler(ds, 1, 0, shuffle=True, seed=3)
     collate = DeviceCollate(torch.device("cpu"), ds.device_transform, skip_corrupt, seed=5)
     dl = DataLoader(ds, batch_size=batch, sampler=sampler, drop_last=True, num_workers=workers,
-                    collate_fn=collate, persistent_workers=workers > 0)
+                    collate_fn=collate_encoded if thread else collate, persistent_workers=workers > 0)
     norm = _Normalize(torch.device("cpu"), IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
-    return DeviceLoader(dl, torch.device("cpu"), norm, sampler)
+    return DeviceLoader(DecodeThread(dl, collate) if thread else dl, torch.device("cpu"), norm, sampler)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_gpu_decode_loader_order_resume_and_errors(photos, tmp_path, workers):
+@pytest.mark.parametrize("workers, thread", [(0, False), (2, False), (2, True)])
+def test_gpu_decode_loader_order_resume_and_errors(photos, tmp_path, workers, thread):
     """data.decode=gpu's loader (on the CPU here): batches in the sampler's order, augmentation seeded by the batch
-    (the same after a resume mid-epoch, another in another epoch), in the training process or in workers, and an
-    unreadable file named."""
+    (the same after a resume mid-epoch, another in another epoch), in the training process, in workers or in a
+    decoding thread fed by workers (the same batches as decoding in the workers), and an unreadable file named."""
     root = tmp_path / "train"
     for k, p in enumerate(photos):
         (root / f"c{k % 3}").mkdir(parents=True, exist_ok=True)
         (root / f"c{k % 3}" / f"{k}.JPEG").write_bytes(_jpeg(p.resize((150, 110))))
-    loader = _loader(root, workers=workers)
+    loader = _loader(root, workers=workers, thread=thread)
     loader.set_epoch(1)
     epoch = list(loader)
+    if thread:
+        in_workers = _loader(root, workers=workers)
+        in_workers.set_epoch(1)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(epoch, in_workers))
     assert len(epoch) == len(loader) == 2  # 8 images, batches of 3, last one dropped
     order = list(loader.sampler)[:6]
     labels = torch.tensor([loader.loader.dataset.folder.samples[i][1] for i in order])
@@ -584,7 +591,7 @@ def test_gpu_decode_loader_order_resume_and_errors(photos, tmp_path, workers):
     assert loader.cpu_decoded == 0
     (root / "c0" / "zz_garbage.JPEG").write_bytes(b"not an image")
     with pytest.raises(CorruptImageError, match="zz_garbage.JPEG"):
-        list(_loader(root, batch=9, workers=workers))
+        list(_loader(root, batch=9, workers=workers, thread=thread))
 
 
 def test_gpu_decode_workers_get_an_indexed_device_and_spawn(monkeypatch, tmp_path):
@@ -618,9 +625,11 @@ def test_workers_do_not_receive_device_constants():
     assert pickle.loads(pickle.dumps(tf)).spec == tf.spec
 
 
-def test_train_py_with_gpu_decoding_on_the_cpu(photos, tmp_path):
+@pytest.mark.parametrize("thread", [False, True])
+def test_train_py_with_gpu_decoding_on_the_cpu(photos, tmp_path, thread):
     """train.py with data.decode=gpu and the ImageNet recipe (RandAugment, random erasing, mixup/cutmix) on a JPEG
-    folder with a CMYK file, a PNG named .JPEG and a garbage file, two loader workers: trains, counts and logs."""
+    folder with a CMYK file, a PNG named .JPEG and a garbage file, two loader workers (decoding, or reading files
+    for a decoding thread: data.gpu_decode_thread): trains, counts and logs."""
     data = tmp_path / "data"
     files = {f"train/class{k % 2}/{k}.JPEG": _jpeg(p.resize((64, 48))) for k, p in enumerate(photos[:5])}
     files |= {f"val/class{k}/{k}.JPEG": _jpeg(photos[5 + k].resize((48, 64))) for k in range(2)}
@@ -634,12 +643,13 @@ def test_train_py_with_gpu_decoding_on_the_cpu(photos, tmp_path):
     summary = train_inprocess(tmp_path / "run", *DET[:-1], "experiment=imagenet_swin_tiny", "model=swin_micro",
                               "model.drop_path_rate=0.0", f"data.root={data}", "data.decode=gpu",
                               "data.num_workers=2", "data.skip_corrupt=true", "train.batch_size=4",
-                              "train.epochs=1", "train.warmup_epochs=0")
+                              "train.epochs=1", "train.warmup_epochs=0", f"data.gpu_decode_thread={thread}")
     # 8 training files = 2 batches: the garbage file dropped, CMYK and PNG decoded on the CPU by the workers
     assert summary["skipped_images"] == 1 and summary["cpu_decoded_images"] == 2
     assert summary["final_top1"] is not None and math.isfinite(summary["final_train_loss"])
     log = (tmp_path / "run" / "train.log").read_text()
     assert "data.decode=gpu" in log and "2 images decoded on the CPU" in log
+    assert ("a thread of this process decodes them" in log) == thread
 
 
 def test_decode_config_errors_name_the_value():
@@ -654,6 +664,8 @@ def test_decode_config_errors_name_the_value():
     assert "data.auto_augment='augmix-m5'" in error("data.decode=gpu", "data.auto_augment=augmix-m5")
     assert "data.interpolation='lanczos'" in error("data.decode=gpu", "data.interpolation=lanczos")
     assert "hue" in error("data.decode=gpu", "data.auto_augment=null", "data.color_jitter=[0.4,0.4,0.4,0.1]")
+    msg = error("data.gpu_decode_thread=true")
+    assert "data.gpu_decode_thread=true" in msg and "data.decode=gpu" in msg and "\n" not in msg
     check_config(make_cfg("data=imagenet", "data.root=/nowhere", "data.decode=gpu"), 1, torch.device("cpu"))
 
 
@@ -741,12 +753,13 @@ def _fingerprints(loader, busy: torch.Tensor | None = None) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("workers", [0, 2])
-def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path, workers):
-    """CUDA: batches decoded and augmented on the GPU by spawned workers (or by this process), copied and
-    normalised on the loader's side stream one batch ahead, consumed on the default stream while it is kept busy
-    and frees every batch; with workers, CUDA sync debug mode 'error' catches a host sync torch makes in this
-    process (in-process decoding waits for nvJPEG by design). The batches equal the CPU pipeline's on the same files
+@pytest.mark.parametrize("workers, thread", [(0, False), (2, False), (2, True)])
+def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path, workers, thread):
+    """CUDA: batches decoded and augmented on the GPU by spawned workers (or by this process, or by a decoding thread
+    fed by workers: data.gpu_decode_thread), copied and normalised on the loader's side stream one batch ahead,
+    consumed on the default stream while it is kept busy and frees every batch; with decoding workers, CUDA sync
+    debug mode 'error' catches a host sync torch makes in this process (in-process decoding and the decoding thread
+    wait for nvJPEG by design). The batches equal the CPU pipeline's on the same files
     (same order, seeds and plans) up to nvJPEG-vs-libjpeg differences: evaluation batches' per-image mean and
     standard deviation within 2 levels, RandAugment batches within 12 (posterize and solarize thresholds amplify
     1-level decode differences)."""
@@ -757,14 +770,16 @@ def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path, work
         d.mkdir(parents=True, exist_ok=True)
         (d / f"{k}.JPEG").write_bytes(_jpeg(photos[k % len(photos)].rotate(90 * (k // 8), expand=True)))
     cfg = make_cfg("experiment=imagenet_swin_tiny", f"data.root={tmp_path}", "data.val_dir=train",
-                   "data.decode=gpu", f"data.num_workers={workers}", "data.reprob=0").data
+                   "data.decode=gpu", f"data.num_workers={workers}", "data.reprob=0",
+                   f"data.gpu_decode_thread={thread}").data
     prints = {}
     busy = torch.randn(2048, 2048, device="cuda")
     for device in ("cpu", "cuda"):
         train, val = build_loaders(build_datasets(cfg, 224), cfg, torch.device(device), 0, 1, 8, 8, seed=0)
         train.set_epoch(0)
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error" if device == "cuda" and workers else "default")
+        # (sync debug mode is process-wide: a decoding thread, which waits for nvJPEG by design, would trip it)
+        torch.cuda.set_sync_debug_mode("error" if device == "cuda" and workers and not thread else "default")
         try:
             prints[device] = [_fingerprints(loader, busy if device == "cuda" else None) for loader in (train, val)]
         finally:
