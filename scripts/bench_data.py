@@ -156,8 +156,9 @@ def train_row(cfg: DictConfig, root: Path, out_dir: Path, name: str, timeout: fl
         args = synthetic_recipe(args, run_dir) + [
             "data=synthetic", f"data.train_samples={n}", f"data.val_samples={max(cfg.batch_size, 64)}",
             f"data.num_classes={classes}"]
-    else:
-        args += [f"data.root={root}", f"data.decode={name}",
+    else:  # gpu_thread: data.decode=gpu decoded by a thread of train.py, the workers reading files
+        args += [f"data.root={root}", f"data.decode={'cpu' if name == 'cpu' else 'gpu'}",
+                 f"data.gpu_decode_thread={str(name == 'gpu_thread').lower()}",
                  f"data.num_workers={workers(t.cpu_workers if name == 'cpu' else t.gpu_workers)}"]
     row = {"kind": "train", "name": name, "workers": None if name == "synthetic" else int(args[-1].split("=")[1]),
            "args": args, "run_dir": str(run_dir)}
@@ -239,7 +240,8 @@ def table(result: dict[str, Any]) -> str:
         elif r["kind"] == "train":
             ratio = f"{r['img_s'] / synthetic:.2f}" if synthetic and r.get("img_s") else "-"
             label = ("train.py data=synthetic (same recipe)" if r["name"] == "synthetic" else
-                     f"train.py data.decode={r['name']}, num_workers={r['workers']}")
+                     f"train.py data.decode=gpu data.gpu_decode_thread=true, num_workers={r['workers']}"
+                     if r["name"] == "gpu_thread" else f"train.py data.decode={r['name']}, num_workers={r['workers']}")
             per_epoch = ", ".join(_fmt(v) for v in r.get("img_s_per_epoch", []))
             lines.append(f"| {label} | {_fmt(r.get('img_s'))} | {_fmt(r.get('data_wait'), '.1%')} | {ratio} "
                          f"| per epoch: {per_epoch} |")
