@@ -275,9 +275,11 @@ class DecodeThread:
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for batch in self.loader:
-                    ready = self.collate.transform_batch(batch)
+                    x, targets, skipped, on_cpu = self.collate.transform_batch(batch)
                     if stream is not None:
                         stream.synchronize()  # this thread waits for its own work; the consumer never does
+                        targets = targets.pin_memory()  # copied with non_blocking: pageable memory would wait
+                    ready = (x, targets, skipped, on_cpu)
                     if not _put(out, ready, stop):
                         return
             _put(out, _END, stop)
