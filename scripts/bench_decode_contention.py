@@ -352,9 +352,10 @@ def augment_profile(jpegs: list[bytes], batches: int = 8, top: int = 15) -> str:
     from torch.profiler import ProfilerActivity, profile
     from torchvision.io import ImageReadMode, decode_jpeg
 
+    from swin.gpu_data import FILES_PER_CALL_BESIDE_STEP as per_call
     transform, rng = train_transform(), np.random.default_rng(0)
-    images = [img for i in range(0, len(jpegs), 6) for img in decode_jpeg(
-        [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in jpegs[i:i + 6]], mode=ImageReadMode.RGB,
+    images = [img for i in range(0, len(jpegs), per_call) for img in decode_jpeg(
+        [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in jpegs[i:i + per_call]], mode=ImageReadMode.RGB,
         device="cuda")]
     for _ in range(3):
         transform(images, rng)

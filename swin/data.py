@@ -484,7 +484,7 @@ def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, seed: int = 0)
     settings = dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
                     persistent_workers=workers > 0)
     encoded = _encoded_folder(ds)
-    if encoded is not None and cfg.get("gpu_decode_thread", False):  # the workers only read files
+    if _decodes_in_thread(cfg, ds):  # the workers only read files
         from .gpu_data import collate_encoded
         settings.update(collate_fn=collate_encoded, pin_memory=False)
     elif encoded is not None:
@@ -497,13 +497,18 @@ def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, seed: int = 0)
     return settings
 
 
+def _decodes_in_thread(cfg: Any, ds: Dataset) -> bool:
+    """data.decode=gpu with data.gpu_decode_thread: the workers read files, a thread of this process decodes."""
+    return _encoded_folder(ds) is not None and bool(cfg.get("gpu_decode_thread", False))
+
+
 def _decoding(loader: DataLoader, cfg: Any, device: torch.device, ds: Dataset, seed: int = 0) -> Any:
     """``loader``, or with data.gpu_decode_thread its batches decoded and augmented in a thread of this process
     (swin.gpu_data.DecodeThread)."""
-    encoded = _encoded_folder(ds)
-    if encoded is None or not cfg.get("gpu_decode_thread", False):
+    if not _decodes_in_thread(cfg, ds):
         return loader
     from .gpu_data import DecodeThread, DeviceCollate
+    encoded = _encoded_folder(ds)
     return DecodeThread(loader, DeviceCollate(device, encoded.device_transform, encoded.skip_corrupt, seed))
 
 

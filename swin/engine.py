@@ -369,12 +369,10 @@ def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
     log.info(f"data {cfg.data.name}: {len(data.train)} train / {len(data.val)} val images, {data.num_classes} "
              f"classes; global batch {t.batch_size} = {world} x {t.accum_steps} x {micro_batch}, "
              f"{steps_per_epoch} steps/epoch")
-    if decode_mode(cfg.data) == "gpu" and cfg.data.get("gpu_decode_thread", False):
-        log.info(f"data.decode=gpu: {cfg.data.num_workers} loader worker(s) read the JPEG files; a thread of this "
-                 f"process decodes them (nvJPEG) and augments them on {device}")
-    elif decode_mode(cfg.data) == "gpu":
-        log.info(f"data.decode=gpu: {cfg.data.num_workers} loader worker(s) decode the JPEG files (nvJPEG) and "
-                 f"augment them on {device}")
+    if decode_mode(cfg.data) == "gpu":
+        how = ("read the JPEG files; a thread of this process decodes them (nvJPEG) and augments them"
+               if cfg.data.get("gpu_decode_thread", False) else "decode the JPEG files (nvJPEG) and augment them")
+        log.info(f"data.decode=gpu: {cfg.data.num_workers} loader worker(s) {how} on {device}")
 
     num_classes = cfg.model.num_classes or data.num_classes
     if num_classes < data.num_classes:
