@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
-import glob
 import io
 import os
 import sys
@@ -36,93 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-BACKEND_DEFAULT, BACKEND_HARDWARE = 0, 3
-OUTPUT_RGB = 3  # planar: channel c at channel[c] with pitch[c]
-STATUS = {0: "success", 1: "not initialized", 2: "invalid parameter", 3: "bad jpeg", 4: "jpeg not supported",
-          5: "allocator failure", 6: "execution failed", 7: "arch mismatch", 8: "internal error",
-          9: "implementation not supported", 10: "incomplete bitstream"}
-
-
-class Image(ctypes.Structure):
-    """nvjpegImage_t: up to four planes, each a device pointer and a row pitch in bytes."""
-    _fields_ = [("channel", ctypes.c_void_p * 4), ("pitch", ctypes.c_size_t * 4)]
-
-
-def load_nvjpeg() -> ctypes.CDLL:
-    """The libnvjpeg that torchvision ships (torchvision.libs/), else the system's."""
-    import torchvision
-    here = Path(torchvision.__file__).parent
-    candidates = sorted(glob.glob(str(here.parent / "torchvision.libs" / "libnvjpeg*.so*")))
-    candidates += sorted(glob.glob(str(here.parent / "nvidia" / "*" / "lib" / "libnvjpeg.so*")))
-    candidates += ["libnvjpeg.so.13", "libnvjpeg.so.12", "libnvjpeg.so"]
-    errors = []
-    for path in candidates:
-        try:
-            return ctypes.CDLL(path)
-        except OSError as e:
-            errors.append(f"{path}: {e}")
-    raise OSError("no libnvjpeg found:\n" + "\n".join(errors))
-
-
-def check(status: int, what: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{what}: nvJPEG status {status} ({STATUS.get(status, '?')})")
-
-
-class BatchedDecoder:
-    """nvjpegDecodeBatched with one backend: a list of JPEG byte strings -> a list of (3, H, W) uint8 CUDA
-    tensors, decoded on the current CUDA stream."""
-
-    def __init__(self, lib: ctypes.CDLL, backend: int, batch: int):
-        self.lib, self.batch = lib, batch
-        self.handle, self.state = ctypes.c_void_p(), ctypes.c_void_p()
-        check(lib.nvjpegCreateEx(ctypes.c_int(backend), None, None, ctypes.c_uint(0), ctypes.byref(self.handle)),
-              f"nvjpegCreateEx(backend {backend})")
-        check(lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
-        check(lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, ctypes.c_int(batch), ctypes.c_int(1),
-                                                ctypes.c_int(OUTPUT_RGB)), "nvjpegDecodeBatchedInitialize")
-        self.stream = ctypes.c_void_p()
-        check(lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.stream)), "nvjpegJpegStreamCreate")
-
-    def engines(self) -> tuple[int, int] | None:
-        engines, cores = ctypes.c_uint(), ctypes.c_uint()
-        fn = getattr(self.lib, "nvjpegGetHardwareDecoderInfo", None)
-        if fn is None or fn(self.handle, ctypes.byref(engines), ctypes.byref(cores)) != 0:
-            return None
-        return engines.value, cores.value
-
-    def size(self, data: bytes) -> tuple[int, int, int]:
-        """(components, height, width) of the file's first component."""
-        comps, sub = ctypes.c_int(), ctypes.c_int()
-        widths, heights = (ctypes.c_int * 4)(), (ctypes.c_int * 4)()
-        check(self.lib.nvjpegGetImageInfo(self.handle, data, ctypes.c_size_t(len(data)), ctypes.byref(comps),
-                                          ctypes.byref(sub), widths, heights), "nvjpegGetImageInfo")
-        return comps.value, heights[0], widths[0]
-
-    def supported(self, data: bytes) -> bool:
-        """Whether this backend's batched decode takes the file (hardware: baseline JPEGs it can do)."""
-        check(self.lib.nvjpegJpegStreamParse(self.handle, data, ctypes.c_size_t(len(data)), 0, 0, self.stream),
-              "nvjpegJpegStreamParse")
-        flag = ctypes.c_int()
-        check(self.lib.nvjpegDecodeBatchedSupported(self.handle, self.stream, ctypes.byref(flag)),
-              "nvjpegDecodeBatchedSupported")
-        return flag.value == 0  # 0: supported
-
-    def __call__(self, files: list[bytes], sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
-        n = len(files)
-        assert n == self.batch, "nvjpegDecodeBatchedInitialize fixed the batch size"
-        outs = [torch.empty((3, h, w), dtype=torch.uint8, device="cuda") for h, w in sizes]
-        images = (Image * n)()
-        for img, out, (h, w) in zip(images, outs, sizes):
-            for c in range(3):
-                img.channel[c] = out.data_ptr() + c * h * w
-                img.pitch[c] = w
-        data = (ctypes.c_char_p * n)(*files)
-        lengths = (ctypes.c_size_t * n)(*[len(f) for f in files])
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        check(self.lib.nvjpegDecodeBatched(self.handle, self.state, data, lengths, images, stream),
-              "nvjpegDecodeBatched")
-        return outs
+from swin.nvjpeg import BACKEND_DEFAULT, BACKEND_HARDWARE, BatchedDecoder, load_nvjpeg  # noqa: E402
 
 
 def make_files(n: int) -> dict[str, list[bytes]]:

@@ -45,6 +45,7 @@ from torch.utils.data import get_worker_info
 
 from .data import CheckedImageFolder, readable, unreadable_image
 from .gpu_augment import EvalTransform, TrainTransform, indexed
+from .nvjpeg import HardwareJpegDecoder, open_hardware_decoder
 
 # torchvision 0.29 deprecates its image codecs in favour of TorchCodec (they still work, and 0.26 on the GPU
 # machine has no warning); one warning per decode call would flood the log
@@ -57,9 +58,9 @@ _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _NVJPEG_SOF = (0xC0, 0xC1, 0xC2)
 
 
-def jpeg_frame(data: bytes) -> tuple[int, int, int, int, int] | None:
-    """(SOF marker, sample precision, height, width, components) from a JPEG header, or None when ``data`` does
-    not start like a JPEG file or no frame header comes before the scan."""
+def _frame_start(data: bytes | memoryview) -> int | None:
+    """Offset of a JPEG file's frame header (its SOF marker), or None when ``data`` does not start like a JPEG file
+    or no frame header comes before the scan."""
     n = len(data)
     if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
         return None
@@ -77,12 +78,36 @@ def jpeg_frame(data: bytes) -> tuple[int, int, int, int, int] | None:
         if marker in (0xD9, 0xDA):  # end of image or start of scan before any frame header
             return None
         if marker in _SOF:
-            if i + 10 > n:
-                return None
-            return (marker, data[i + 4], (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8],
-                    data[i + 9])
+            return i if i + 10 <= n else None
         i += 2 + ((data[i + 2] << 8) | data[i + 3])
     return None
+
+
+def jpeg_frame(data: bytes | memoryview) -> tuple[int, int, int, int, int] | None:
+    """(SOF marker, sample precision, height, width, components) from a JPEG header, or None when ``data`` does
+    not start like a JPEG file or no frame header comes before the scan."""
+    i = _frame_start(data)
+    if i is None:
+        return None
+    return (data[i + 1], data[i + 4], (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8],
+            data[i + 9])
+
+
+# luma sampling factors (H << 4 | V) of the subsamplings the JPEG engines decode (4:4:4, 4:2:2, 4:2:0, 4:4:0,
+# 4:1:1, 4:1:0), chroma at 1x1
+_ENGINE_LUMA = frozenset((0x11, 0x21, 0x22, 0x12, 0x41, 0x42))
+
+
+def engines_take(data: bytes | memoryview) -> tuple[int, int] | None:
+    """(height, width) of a file the GPU's JPEG engines decode: baseline (SOF0), 8-bit, grey or YCbCr with a
+    standard subsampling; None for any other (progressive, say: torchvision's nvJPEG path takes those)."""
+    i = _frame_start(data)
+    if i is None or data[i + 1] != 0xC0 or data[i + 4] != 8 or data[i + 9] not in (1, 3) or i + 19 > len(data):
+        return None
+    if data[i + 9] == 3 and (data[i + 11] not in _ENGINE_LUMA or data[i + 14] != 0x11 or data[i + 17] != 0x11):
+        return None
+    height, width = (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8]
+    return (height, width) if height and width else None
 
 
 def nvjpeg_can_decode(data: bytes) -> bool:
@@ -169,15 +194,24 @@ def files_per_call(device: torch.device) -> int:
 
 
 class JpegDecoder:
-    """Decodes an :class:`EncodedBatch` on ``device``: batched ``decode_jpeg`` calls (of ``files_per_call`` files;
-    0: all in one); if a call fails, each of its images alone, and the CPU for those nvJPEG still rejects."""
+    """Decodes an :class:`EncodedBatch` on ``device``: batched calls of ``files_per_call`` files (0: all in one), by
+    the GPU's JPEG engines (``engines``, swin.nvjpeg: the decoding thread's) where they take every file of a call,
+    else by torchvision's nvJPEG; if a call fails, each of its images alone, and the CPU for those nvJPEG rejects.
+
+    On CUDA it decodes on a stream of its own, waited for before each call: nvJPEG's engines write their outputs
+    without waiting for work queued on the stream (pytorch/vision#9606), so a block freed by kernels still queued
+    could be overwritten. The caller's stream then waits for the decode, and the images are recorded on it."""
 
     def __init__(self, device: torch.device, skip_corrupt: bool):
         self.device, self.skip_corrupt = torch.device(device), skip_corrupt
+        self.engines: HardwareJpegDecoder | None = None  # DecodeThread's: the GPU's JPEG engines (swin.nvjpeg)
+        self._stream: torch.cuda.Stream | None = None
 
     def device_decode(self, blobs: list[torch.Tensor]) -> list[torch.Tensor]:
         """nvJPEG on CUDA (batched), libjpeg-turbo on the CPU; RGB output also for grey images."""
         from torchvision.io import ImageReadMode, decode_jpeg
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # see the class: nothing queued when it writes
         return decode_jpeg(blobs, mode=ImageReadMode.RGB, device=self.device)
 
     def _decode_alone(self, blob: torch.Tensor, path: str, on_cpu: list[str]) -> torch.Tensor | None:
@@ -194,20 +228,41 @@ class JpegDecoder:
         on_cpu.append(path)
         return img.to(self.device, non_blocking=True)
 
+    def _decode_call(self, blobs: list[torch.Tensor], headers: list[memoryview]) -> list[torch.Tensor]:
+        sizes = [engines_take(h) for h in headers] if self.engines is not None else [None]
+        if all(size is not None for size in sizes):
+            return self.engines.decode(blobs, sizes)
+        return self.device_decode(blobs)
+
     def __call__(self, batch: EncodedBatch, per_call: int = 0
                  ) -> tuple[list[torch.Tensor], torch.Tensor, int, list[str]]:
         """(decoded (3, H, W) uint8 images on the device, their labels, files dropped in this batch, paths of the
         files decoded on the CPU: here, or already by the dataset)."""
+        if self.device.type != "cuda":
+            return self._decode(batch, per_call)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        caller = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._stream):
+            decoded = self._decode(batch, per_call)
+        caller.wait_stream(self._stream)
+        for img in decoded[0]:
+            img.record_stream(caller)
+        return decoded
+
+    def _decode(self, batch: EncodedBatch, per_call: int) -> tuple[list[torch.Tensor], torch.Tensor, int, list[str]]:
         images: list[torch.Tensor | None] = [None] * len(batch)
         on_cpu = [batch.paths[k] for k in batch.decoded]
         slots = [k for k, n in enumerate(batch.sizes) if n > 0]
         ends = np.cumsum(batch.sizes).tolist()
+        whole = memoryview(batch.data.numpy())  # header reads without copies
         step = per_call or len(slots) or 1
         for start in range(0, len(slots), step):
             part = slots[start:start + step]
-            blobs = [batch.data[ends[k] - batch.sizes[k]:ends[k]] for k in part]  # views, no copies
+            spans = [(ends[k] - batch.sizes[k], ends[k]) for k in part]
+            blobs = [batch.data[a:b] for a, b in spans]  # views, no copies
             try:
-                decoded = self.device_decode(blobs)
+                decoded = self._decode_call(blobs, [whole[a:b] for a, b in spans])
             except RuntimeError:  # nvJPEG fails the whole call for one bad file: find it
                 decoded = [self._decode_alone(b, batch.paths[k], on_cpu) for k, b in zip(part, blobs)]
             for k, img in zip(part, decoded):
@@ -242,24 +297,35 @@ class DeviceCollate:
 
     def transform_batch(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor, int, list[str]]:
         """A collated batch of files decoded and transformed on the device (see the class)."""
+        images, targets, skipped, on_cpu = self.decode(batch)
+        return self.augment(images, batch.indices), targets, skipped, on_cpu
+
+    def decode(self, batch: EncodedBatch) -> tuple[list[torch.Tensor], torch.Tensor, int, list[str]]:
+        """(decoded images on the device, their labels, files dropped, paths decoded on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        return self.decoder(batch, files_per_call(self.device))
+
+    def augment(self, images: list[torch.Tensor], indices: list[int]) -> torch.Tensor:
+        """The transform of a batch's decoded images, drawn from the generator of the batch's sample indices."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         with torch.no_grad():
-            images, targets, skipped, on_cpu = self.decoder(batch, files_per_call(self.device))
-            x = self.transform(images, np.random.default_rng([self.seed % 2**32, *batch.indices]))
+            x = self.transform(images, np.random.default_rng([self.seed % 2**32, *indices]))
         if get_worker_info() is not None and x.device.type != "cpu":
             # into shared memory directly (sending a worker's tensor moves it there otherwise: one more copy)
             x = torch.empty(x.shape, dtype=x.dtype).share_memory_().copy_(x)
-        return x, targets, skipped, on_cpu
+        return x
 
 
 class DecodeThread:
-    """``data.gpu_decode_thread=true``: the loader's workers only read files (``collate_fn=collate_encoded``); one
-    thread of the training process decodes and transforms each batch (DeviceCollate.transform_batch) on a CUDA stream
-    of its own, waits for that stream (the thread only, never the training loop) and hands the batch over through a
-    queue of ``prefetch`` batches, in the sampler's order. No second CUDA context time-slices the GPU with the
-    training step, as the workers' do (docs/benchmarks.md, 2026-11-24); the thread calls nvJPEG with a few files at a
-    time (files_per_call). An error in the thread is raised in the consumer. Iterated like the DataLoader it wraps
+    """``data.gpu_decode_thread=true``: the loader's workers only read files (``collate_fn=collate_encoded``); two
+    threads of the training process decode (DeviceCollate.decode; the GPU's JPEG engines through swin.nvjpeg where
+    it has them) and transform (DeviceCollate.augment) each batch, overlapped, each on a CUDA stream of its own. The
+    transforming thread waits for its stream (that thread only, never the training loop) and hands the batch over
+    through a queue of ``prefetch`` batches, in the sampler's order. No second CUDA context time-slices the GPU with
+    the training step, as the workers' do (docs/benchmarks.md, 2026-11-24); nvJPEG gets a few files per call
+    (files_per_call). An error in either thread is raised in the consumer. Iterated like the DataLoader it wraps
     (``dataset``, ``batch_size``, ``len``), by swin.data.DeviceLoader."""
 
     def __init__(self, loader: Any, collate: DeviceCollate, prefetch: int = 2):
@@ -269,36 +335,68 @@ class DecodeThread:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def _work(self, out: queue.Queue, stop: threading.Event) -> None:
+    def _stream(self) -> torch.cuda.Stream | None:
         device = self.collate.device
-        stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        return torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    def _decode(self, out: queue.Queue, stop: threading.Event) -> None:
+        stream, decoder = self._stream(), self.collate.decoder
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if stream is not None and decoder.engines is None:
+                    decoder.engines = open_hardware_decoder(self.collate.device, files_per_call(self.collate.device))
                 for batch in self.loader:
-                    x, targets, skipped, on_cpu = self.collate.transform_batch(batch)
-                    if stream is not None:
-                        stream.synchronize()  # this thread waits for its own work; the consumer never does
-                        targets = targets.pin_memory()  # copied with non_blocking: pageable memory would wait
-                    ready = (x, targets, skipped, on_cpu)
-                    if not _put(out, ready, stop):
+                    images, targets, skipped, on_cpu = self.collate.decode(batch)
+                    done = stream.record_event() if stream is not None else None
+                    if not _put(out, (images, done, targets, skipped, on_cpu, batch.indices), stop):
                         return
             _put(out, _END, stop)
         except BaseException as e:  # handed to the consumer, raised there
             _put(out, _Failure(e), stop)
 
+    def _augment(self, decoded: queue.Queue, out: queue.Queue, stop: threading.Event) -> None:
+        stream = self._stream()
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                while (item := _get(decoded, stop)) is not _END:
+                    if item is None:  # the consumer stopped
+                        return
+                    if isinstance(item, _Failure):
+                        _put(out, item, stop)
+                        return
+                    images, done, targets, skipped, on_cpu, indices = item
+                    if stream is not None:
+                        stream.wait_event(done)
+                        for img in images:  # made on the decoding thread's stream: not reused before this one ran
+                            img.record_stream(stream)
+                    x = self.collate.augment(images, indices)
+                    if stream is not None:
+                        stream.synchronize()  # this thread waits for its own work; the consumer never does
+                        targets = targets.pin_memory()  # copied with non_blocking: pageable memory would wait
+                    if not _put(out, (x, targets, skipped, on_cpu), stop):
+                        return
+            _put(out, _END, stop)
+        except BaseException as e:
+            _put(out, _Failure(e), stop)
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, list[str]]]:
+        decoded: queue.Queue = queue.Queue(maxsize=self.prefetch)
         out: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
-        worker = threading.Thread(target=self._work, args=(out, stop), name="gpu-decode", daemon=True)
-        worker.start()
+        threads = [threading.Thread(target=self._decode, args=(decoded, stop), name="gpu-decode", daemon=True),
+                   threading.Thread(target=self._augment, args=(decoded, out, stop), name="gpu-augment",
+                                    daemon=True)]
+        for t in threads:
+            t.start()
         try:
             while (item := out.get()) is not _END:
                 if isinstance(item, _Failure):
                     raise item.error
                 yield item
-        finally:  # also when the consumer stops early: the thread ends at its next hand-over
+        finally:  # also when the consumer stops early: the threads end at their next hand-over
             stop.set()
-            worker.join(timeout=60)
+            for t in threads:
+                t.join(timeout=60)
 
 
 _END = object()
@@ -307,6 +405,16 @@ _END = object()
 @dataclass
 class _Failure:
     error: BaseException
+
+
+def _get(source: queue.Queue, stop: threading.Event) -> Any:
+    """The next item, or None once the consumer has stopped."""
+    while not stop.is_set():
+        try:
+            return source.get(timeout=0.1)
+        except queue.Empty:
+            pass
+    return None
 
 
 def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
@@ -321,4 +429,5 @@ def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
 
 
 __all__ = ["DecodeThread", "DeviceCollate", "EncodedBatch", "EncodedImageFolder", "FILES_PER_CALL_BESIDE_STEP",
-           "JpegDecoder", "collate_encoded", "decode_on_cpu", "files_per_call", "jpeg_frame", "nvjpeg_can_decode"]
+           "JpegDecoder", "collate_encoded", "decode_on_cpu", "engines_take", "files_per_call", "jpeg_frame",
+           "nvjpeg_can_decode"]

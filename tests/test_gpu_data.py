@@ -39,6 +39,7 @@ from swin.gpu_data import (
     EncodedImageFolder,
     JpegDecoder,
     collate_encoded,
+    engines_take,
     files_per_call,
     jpeg_frame,
     nvjpeg_can_decode,
@@ -93,7 +94,15 @@ def test_jpeg_headers_route_files_nvjpeg_cannot_decode_to_the_cpu(photos):
              "empty": (b"", None, False)}
     for name, (data, frame, gpu) in cases.items():
         assert jpeg_frame(data) == frame, name
+        assert jpeg_frame(memoryview(data)) == frame, name  # the decoder reads headers from views of a batch
         assert nvjpeg_can_decode(data) is gpu, name
+    # the JPEG engines (swin.nvjpeg) take baseline grey or YCbCr files of every common subsampling, and no others
+    engines = {name: (data, (h, w) if name in ("baseline", "grey") else None)
+               for name, (data, _, _) in cases.items()}
+    engines |= {f"baseline {s}": (_jpeg(img, subsampling=s), (h, w)) for s in (0, 1, 2)}  # 4:4:4, 4:2:2, 4:2:0
+    for name, (data, size) in engines.items():
+        assert engines_take(data) == size, name
+        assert engines_take(memoryview(data)) == size, name
 
 
 # --- crop boxes ---------------------------------------------------------------------------------------------
@@ -704,6 +713,44 @@ def test_gpu_nvjpeg_matches_cpu_decoding(photos):
         chunked = [img for part in parts for img in part]
         diffs = [_levels(a, b).float().mean().item() for a, b in zip(chunked, gpu)]
         assert max(diffs) == 0, (per_call, diffs)
+
+
+@pytest.mark.gpu
+def test_gpu_jpeg_engines_match_torchvision_and_leave_progressive_files_to_it(photos, tmp_path):
+    """swin.nvjpeg's decoder on the GPU's JPEG engines (the decoding thread's) against torchvision's nvJPEG: the
+    same pixels for baseline files (4:2:0, 4:2:2, 4:4:4, grey), in calls of FILES_PER_CALL_BESIDE_STEP and of the
+    rest, with the sizes engines_take reads from the headers; a progressive file is not one the engines take, and
+    JpegDecoder decodes a call holding one with torchvision instead: the batch equals torchvision's, file for file."""
+    from swin.nvjpeg import open_hardware_decoder
+    engines = open_hardware_decoder(torch.device("cuda"), FILES_PER_CALL_BESIDE_STEP)
+    if engines is None:
+        pytest.skip("this GPU has no JPEG engines (or no libnvjpeg)")
+    baseline = ([_jpeg(p) for p in photos[:4]] + [_jpeg(photos[4], subsampling=1), _jpeg(photos[5], subsampling=0),
+                _jpeg(photos[7].convert("L"))]) * 2  # 14 files: calls of 6, 6 and 2
+    tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in baseline]
+    reference = JpegDecoder(torch.device("cuda"), skip_corrupt=False).device_decode(tensors)
+    got = []
+    for i in range(0, len(tensors), FILES_PER_CALL_BESIDE_STEP):
+        sizes = [engines_take(b) for b in baseline[i:i + FILES_PER_CALL_BESIDE_STEP]]
+        assert all(size is not None for size in sizes), i
+        got += engines.decode(tensors[i:i + FILES_PER_CALL_BESIDE_STEP], sizes)
+    for k, (a, b) in enumerate(zip(got, reference, strict=True)):
+        assert a.is_cuda and a.shape == b.shape and torch.equal(a, b), (k, _levels(a, b).float().mean().item())
+    assert engines_take(_jpeg(photos[6], progressive=True)) is None
+    # through JpegDecoder, as the decoding thread uses it: a progressive file amid baseline ones
+    root = tmp_path / "train" / "a"
+    root.mkdir(parents=True)
+    for k, data in enumerate(baseline[:7] + [_jpeg(photos[6], progressive=True)]):
+        (root / f"{k}.JPEG").write_bytes(data)
+    ds = EncodedImageFolder(tmp_path / "train", ga.EvalTransform(ga.EvalSpec(64)), skip_corrupt=False)
+    batch = collate_encoded([ds[i] for i in range(len(ds))])
+    plain = JpegDecoder(torch.device("cuda"), skip_corrupt=False)
+    with_engines = JpegDecoder(torch.device("cuda"), skip_corrupt=False)
+    with_engines.engines = engines
+    want, got_batch = plain(batch, FILES_PER_CALL_BESIDE_STEP), with_engines(batch, FILES_PER_CALL_BESIDE_STEP)
+    assert len(got_batch[0]) == len(want[0]) == 8 and got_batch[2:] == want[2:]
+    for a, b in zip(got_batch[0], want[0]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

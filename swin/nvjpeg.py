@@ -1,0 +1,184 @@
+"""nvJPEG's hardware JPEG decoders (the A100/H100 "NVJPG" engines) through ctypes.
+
+torchvision's ``decode_jpeg(device="cuda")`` reaches the same engines, but behind one process-wide decoder and mutex
+and holding Python's GIL for part of each call. Beside a training step, a thread of the training process decodes
+fastest with calls of at most as many files as the GPU has engines (7 on an H100; 8 or more files per call fall
+15-35x, docs/benchmarks.md, 2026-11-24), and with a decoder of its own: ~7,500 img/s against torchvision's ~4,300
+at 6 files per call. ctypes releases the GIL for every C call, so the training loop's thread keeps it.
+
+The library is the libnvjpeg that torchvision ships (else the system's). :func:`open_hardware_decoder` returns None
+where there is no library, no CUDA or no engines; callers then keep torchvision's decoder.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import threading
+from pathlib import Path
+
+import torch
+
+BACKEND_DEFAULT, BACKEND_HARDWARE = 0, 3
+OUTPUT_RGB = 3  # planar: channel c at channel[c] with pitch[c]
+STATUS = {0: "success", 1: "not initialized", 2: "invalid parameter", 3: "bad jpeg", 4: "jpeg not supported",
+          5: "allocator failure", 6: "execution failed", 7: "arch mismatch", 8: "internal error",
+          9: "implementation not supported", 10: "incomplete bitstream"}
+
+
+class Image(ctypes.Structure):
+    """nvjpegImage_t: up to four planes, each a device pointer and a row pitch in bytes."""
+    _fields_ = [("channel", ctypes.c_void_p * 4), ("pitch", ctypes.c_size_t * 4)]
+
+
+def load_nvjpeg() -> ctypes.CDLL:
+    """The libnvjpeg that torchvision ships (torchvision.libs/), else a pip CUDA wheel's or the system's."""
+    import torchvision
+    here = Path(torchvision.__file__).parent
+    candidates = sorted(glob.glob(str(here.parent / "torchvision.libs" / "libnvjpeg*.so*")))
+    candidates += sorted(glob.glob(str(here.parent / "nvidia" / "*" / "lib" / "libnvjpeg.so*")))
+    candidates += ["libnvjpeg.so.13", "libnvjpeg.so.12", "libnvjpeg.so"]
+    errors = []
+    for path in candidates:
+        try:
+            return ctypes.CDLL(path)
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+    raise OSError("no libnvjpeg found:\n" + "\n".join(errors))
+
+
+def check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what}: nvJPEG status {status} ({STATUS.get(status, '?')})")
+
+
+Blob = bytes | torch.Tensor  # a JPEG file: bytes, or a 1-D uint8 CPU tensor (a view into a batch's buffer)
+
+
+def _pointer(blob: Blob) -> ctypes.c_void_p | bytes:
+    # a bare Python int would go through ctypes as a 32-bit C int
+    return ctypes.c_void_p(blob.data_ptr()) if isinstance(blob, torch.Tensor) else blob
+
+
+class BatchedDecoder:
+    """``nvjpegDecodeBatched`` with one backend for calls of exactly ``batch`` files: JPEG files -> (3, H, W) uint8
+    RGB tensors on the current CUDA device, decoded on the current CUDA stream. Not for two threads at once."""
+
+    def __init__(self, lib: ctypes.CDLL, backend: int, batch: int):
+        self.lib, self.batch = lib, batch
+        self.handle, self.state = ctypes.c_void_p(), ctypes.c_void_p()
+        check(lib.nvjpegCreateEx(ctypes.c_int(backend), None, None, ctypes.c_uint(0), ctypes.byref(self.handle)),
+              f"nvjpegCreateEx(backend {backend})")
+        check(lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
+        check(lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, ctypes.c_int(batch), ctypes.c_int(1),
+                                                ctypes.c_int(OUTPUT_RGB)), "nvjpegDecodeBatchedInitialize")
+        self.stream = ctypes.c_void_p()
+        check(lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.stream)), "nvjpegJpegStreamCreate")
+
+    def engines(self) -> tuple[int, int] | None:
+        """(hardware decoders, cores per decoder), or None where nvJPEG does not say."""
+        engines, cores = ctypes.c_uint(), ctypes.c_uint()
+        fn = getattr(self.lib, "nvjpegGetHardwareDecoderInfo", None)
+        if fn is None or fn(self.handle, ctypes.byref(engines), ctypes.byref(cores)) != 0:
+            return None
+        return engines.value, cores.value
+
+    def size(self, blob: Blob) -> tuple[int, int, int]:
+        """(components, height, width) of the file's first component."""
+        comps, sub = ctypes.c_int(), ctypes.c_int()
+        widths, heights = (ctypes.c_int * 4)(), (ctypes.c_int * 4)()
+        check(self.lib.nvjpegGetImageInfo(self.handle, _pointer(blob), ctypes.c_size_t(len(blob)),
+                                          ctypes.byref(comps), ctypes.byref(sub), widths, heights),
+              "nvjpegGetImageInfo")
+        return comps.value, heights[0], widths[0]
+
+    def supported(self, blob: Blob) -> bool:
+        """Whether this backend's batched decode takes the file (hardware: baseline JPEGs; not progressive)."""
+        status = self.lib.nvjpegJpegStreamParse(self.handle, _pointer(blob), ctypes.c_size_t(len(blob)), 0, 0,
+                                                self.stream)
+        if status != 0:
+            return False
+        flag = ctypes.c_int()
+        check(self.lib.nvjpegDecodeBatchedSupported(self.handle, self.stream, ctypes.byref(flag)),
+              "nvjpegDecodeBatchedSupported")
+        return flag.value == 0  # 0: supported
+
+    def __call__(self, blobs: list[Blob], sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Decodes ``blobs`` (of the given (height, width)) into new tensors. The files must stay alive until the
+        current stream has run the call."""
+        n = len(blobs)
+        if n != self.batch:
+            raise ValueError(f"this decoder takes calls of {self.batch} files (nvjpegDecodeBatchedInitialize), "
+                             f"not {n}")
+        outs = [torch.empty((3, h, w), dtype=torch.uint8, device="cuda") for h, w in sizes]
+        images = (Image * n)()
+        for img, out, (h, w) in zip(images, outs, sizes):
+            for c in range(3):
+                img.channel[c] = out.data_ptr() + c * h * w
+                img.pitch[c] = w
+        data = (ctypes.c_void_p * n)(*[ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value
+                                       if isinstance(b, bytes) else b.data_ptr() for b in blobs])
+        lengths = (ctypes.c_size_t * n)(*[len(b) for b in blobs])
+        current = torch.cuda.current_stream()
+        # nvJPEG's engines write the outputs without waiting for the work already queued on the stream
+        # (pytorch/vision#9606): were a block of `outs` freed by queued kernels still reading it, they would read
+        # the new image. Nothing may be queued when it decodes.
+        current.synchronize()
+        stream = ctypes.c_void_p(current.cuda_stream)
+        check(self.lib.nvjpegDecodeBatched(self.handle, self.state, data, lengths, images, stream),
+              "nvjpegDecodeBatched")
+        return outs
+
+
+_LIB: list[ctypes.CDLL | None] = []
+_LIB_LOCK = threading.Lock()
+
+
+def _library() -> ctypes.CDLL | None:
+    with _LIB_LOCK:
+        if not _LIB:
+            try:
+                _LIB.append(load_nvjpeg())
+            except OSError:
+                _LIB.append(None)
+        return _LIB[0]
+
+
+class HardwareJpegDecoder:
+    """Lists of JPEG files decoded by the GPU's JPEG engines, one :class:`BatchedDecoder` per call size (nvJPEG fixes
+    it at initialisation). The caller gives each file's size and sends only files the engines take (baseline: see
+    swin.gpu_data.engines_take; asking nvJPEG per file would parse each whole file on the host). Waits for each call
+    on the current stream (the configuration measured beside the training step), so that the files may be freed
+    after it. One thread at a time."""
+
+    def __init__(self, lib: ctypes.CDLL, first: BatchedDecoder):
+        self.lib, self.decoders = lib, {first.batch: first}
+
+    def decode(self, blobs: list[Blob], sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
+        n = len(blobs)
+        if n not in self.decoders:
+            self.decoders[n] = BatchedDecoder(self.lib, BACKEND_HARDWARE, n)
+        images = self.decoders[n](blobs, sizes)
+        torch.cuda.current_stream().synchronize()
+        return images
+
+
+def open_hardware_decoder(device: torch.device, files_per_call: int) -> HardwareJpegDecoder | None:
+    """A decoder on ``device``'s JPEG engines, or None: no CUDA, no libnvjpeg, or a GPU without engines."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    with torch.cuda.device(device):
+        try:
+            first = BatchedDecoder(lib, BACKEND_HARDWARE, files_per_call)
+        except RuntimeError:  # "implementation not supported": no engines on this GPU
+            return None
+    engines = first.engines()
+    if engines is not None and engines[0] == 0:
+        return None
+    return HardwareJpegDecoder(lib, first)
+
+
+__all__ = ["BACKEND_DEFAULT", "BACKEND_HARDWARE", "BatchedDecoder", "HardwareJpegDecoder", "Image", "check",
+           "load_nvjpeg", "open_hardware_decoder"]
