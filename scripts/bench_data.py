@@ -102,8 +102,10 @@ def _mean(values: list[float]) -> float:
 
 
 def data_config(cfg: DictConfig, root: Path, decode: str, num_workers: int) -> DictConfig:
+    """The recipe's data section on ``root``; decode "gpu_thread": data.decode=gpu with data.gpu_decode_thread."""
     data = OmegaConf.create(OmegaConf.to_container(cfg.data, resolve=False))
-    data.root, data.decode, data.num_workers = str(root), decode, num_workers
+    data.root, data.decode, data.num_workers = str(root), decode.removesuffix("_thread"), num_workers
+    data.gpu_decode_thread = decode == "gpu_thread"
     return data
 
 
@@ -233,9 +235,11 @@ def table(result: dict[str, Any]) -> str:
             continue
         if r["kind"] == "loader":
             note = f"{r['batches']} batches in {r['seconds']:.1f} s, start-up {r['startup_s']:.1f} s"
-            if r["decode"] == "gpu":
+            if r["decode"] != "cpu":
                 note += f", {r['cpu_decoded']} decoded on the CPU"
-            lines.append(f"| loader only, data.decode={r['decode']}, num_workers={r['workers']} | {_fmt(r['img_s'])} "
+            decode = ("gpu data.gpu_decode_thread=true (workers read files)" if r["decode"] == "gpu_thread"
+                      else r["decode"])
+            lines.append(f"| loader only, data.decode={decode}, num_workers={r['workers']} | {_fmt(r['img_s'])} "
                          f"| - | - | {note} |")
         elif r["kind"] == "train":
             ratio = f"{r['img_s'] / synthetic:.2f}" if synthetic and r.get("img_s") else "-"
@@ -295,6 +299,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     if cfg.loader.enabled:
         plan += [("loader", ("cpu", workers(w))) for w in cfg.loader.cpu_workers]
         plan += [("loader", ("gpu", workers(w))) for w in cfg.loader.gpu_workers]
+        plan += [("loader", ("gpu_thread", workers(w))) for w in cfg.loader.gpu_thread_workers]
     for name in cfg.train.rows:  # the eval rows need the data.decode=gpu run's checkpoint: right after it
         plan += [("train", name)]
         if name == "gpu" and cfg.eval.enabled:

@@ -259,6 +259,7 @@ class LoaderBenchConfig:
     enabled: bool = MISSING
     cpu_workers: list[Any] = MISSING  # worker counts: ints, all or all-1
     gpu_workers: Any = MISSING
+    gpu_thread_workers: Any = MISSING  # data.gpu_decode_thread=true rows: file-reading workers
     warmup_batches: int = MISSING
     seconds: float = MISSING
 
