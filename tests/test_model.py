@@ -21,16 +21,32 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def assert_same_logits_and_grads(ours: torch.nn.Module, ref: torch.nn.Module, x: torch.Tensor,
                                  nonzero_grads: bool = False) -> None:
     """Logits within 1e-5 and the gradient of every parameter (by name) within 1e-4, relative, through a random
-    projection of the logits (every logit gets a gradient)."""
+    projection of the logits (every logit gets a gradient). A gradient that is a sum whose terms cancel (a logit
+    scale's: most heads near zero) can differ more between two float32 summation orders: there the reference is
+    timm's model in float64, and ours must be within 4x as far from it as timm's float32 gradient (or within 1e-4)."""
     out_ours, out_ref = ours(x), ref(x)
     assert rel_err(out_ours, out_ref) < 1e-5
     probe = torch.randn_like(out_ref)
     (out_ours * probe).sum().backward()
     (out_ref * probe).sum().backward()
     ref_params = dict(ref.named_parameters())
+    exact: dict[str, torch.Tensor] | None = None
     for name, p in ours.named_parameters():
         assert p.grad is not None and (not nonzero_grads or p.grad.abs().max() > 0), name
-        assert rel_err(p.grad, ref_params[name].grad) < 1e-4, name
+        theirs = ref_params[name].grad
+        if rel_err(p.grad, theirs) < 1e-4:
+            continue
+        exact = exact or _float64_grads(ref, x, probe)
+        assert rel_err(p.grad, exact[name]) < max(1e-4, 4 * rel_err(theirs, exact[name])), name
+
+
+def _float64_grads(ref: torch.nn.Module, x: torch.Tensor, probe: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The parameter gradients of a float64 copy of ``ref`` for the same input and logit projection."""
+    import copy
+    exact = copy.deepcopy(ref).double()
+    exact.zero_grad()
+    (exact(x.double()) * probe.double()).sum().backward()
+    return {n: p.grad for n, p in exact.named_parameters()}
 
 
 def skip_if_timm_floors_odd_stages(ref: torch.nn.Module, ours: torch.nn.Module) -> None:
