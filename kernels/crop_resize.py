@@ -121,31 +121,40 @@ def crop_resize(images: list[torch.Tensor], boxes: np.ndarray, modes: np.ndarray
                 ) -> torch.Tensor:
     """(B, 3, *size) uint8: box (top, left, height, width) of each (3, H_i, W_i) uint8 image, resized with its mode
     (0 bilinear, 1 bicubic: antialiased; 2 nearest-exact)."""
-    device, n = images[0].device, len(images)
-    out_h, out_w = size
     if any(img.dim() != 3 or img.shape[0] != 3 or img.dtype != torch.uint8 for img in images):
         raise ValueError("crop_resize takes (3, H, W) uint8 images")
-    heights = np.array([img.shape[1] for img in images], dtype=np.int64)
-    widths = np.array([img.shape[2] for img in images], dtype=np.int64)
+    shapes = np.array([img.shape[1:] for img in images], dtype=np.int64).reshape(len(images), 2)
+    return crop_resize_packed(torch.cat([img.reshape(-1) for img in images]), shapes, boxes, modes, size)
+
+
+def crop_resize_packed(pixels: torch.Tensor, shapes: np.ndarray, boxes: np.ndarray, modes: np.ndarray,
+                       size: tuple[int, int]) -> torch.Tensor:
+    """crop_resize of images stored back to back in one flat uint8 tensor, each (3, H_i, W_i) contiguous, with
+    ``shapes[i] = (H_i, W_i)``: what loader workers that decode on the CPU send (no per-image tensors to pack)."""
+    device, n = pixels.device, len(shapes)
+    out_h, out_w = size
+    heights, widths = np.asarray(shapes, dtype=np.int64).reshape(n, 2).T
+    pixel_counts = 3 * heights * widths
+    if pixels.dtype != torch.uint8 or pixels.dim() != 1 or pixels.numel() != int(pixel_counts.sum()):
+        raise ValueError(f"crop_resize_packed: {pixels.numel()} {pixels.dtype} values for images of "
+                         f"{int(pixel_counts.sum())} uint8 values in all")
     boxes = np.asarray(boxes, dtype=np.int64).reshape(n, 4)
     top, left, h, w = boxes.T
     if (top < 0).any() or (left < 0).any() or (h < 1).any() or (w < 1).any() or (top + h > heights).any() \
             or (left + w > widths).any():
         raise ValueError("crop_resize: every box (top, left, height, width) must lie inside its image")
-    pixels = 3 * heights * widths
     row_sizes = 3 * boxes[:, 2] * out_w
-    meta = np.stack([np.cumsum(pixels) - pixels, heights, widths, boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3],
+    meta = np.stack([np.cumsum(pixel_counts) - pixel_counts, heights, widths, top, left, h, w,
                      np.asarray(modes, dtype=np.int64), np.cumsum(row_sizes) - row_sizes], axis=1)
     assert meta.shape[1] == META
     meta_t = torch.from_numpy(meta)
     # pinned and asynchronous: a copy from pageable memory would make the caller's thread wait for its stream
     meta_t = meta_t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta_t
-    src = torch.cat([img.reshape(-1) for img in images])
     rows = torch.empty(int(row_sizes.sum()), dtype=torch.float32, device=device)
     out = torch.empty((n, 3, out_h, out_w), dtype=torch.uint8, device=device)
     block_w = triton.next_power_of_2(out_w)
     block_r = max(1, 4096 // block_w)
-    launch(crop_resize_rows_kernel, (n * 3, triton.cdiv(int(boxes[:, 2].max()), block_r)), src, meta_t, rows, out_w,
+    launch(crop_resize_rows_kernel, (n * 3, triton.cdiv(int(h.max()), block_r)), pixels, meta_t, rows, out_w,
            BLOCK_R=block_r, BLOCK_W=block_w)
     launch(crop_resize_cols_kernel, (n * 3, triton.cdiv(out_h, block_r)), rows, meta_t, out, out_h, out_w,
            BLOCK_I=block_r, BLOCK_W=block_w)

@@ -1,4 +1,5 @@
-"""Input pipeline throughput: CPU decoding in loader workers against nvJPEG decoding on the GPU (data.decode=gpu).
+"""Input pipeline throughput: CPU decoding in loader workers against nvJPEG decoding on the GPU (data.decode=gpu),
+and CPU decoding with augmentation on the GPU (data.augment=gpu).
 
 ``python scripts/bench_data.py`` (Hydra, configs/bench_data.yaml; every key can be overridden) runs, in order:
 
@@ -7,7 +8,9 @@
    its mean file size and image size are reported;
 2. loader rows: the training loader alone, as train.py builds it (``swin.data.build_loaders`` with the data
    config, the recipe's augmentation, batches normalised and randomly erased on the device), for
-   ``data.decode=cpu`` with ``loader.cpu_workers`` workers and for ``data.decode=gpu``: after
+   ``data.decode=cpu`` with ``loader.cpu_workers`` workers, for ``data.decode=gpu`` (``loader.gpu_workers``, and
+   ``loader.gpu_thread_workers`` with a decoding thread) and for ``data.augment=gpu`` (``loader.gpu_augment_workers``
+   decoding on the CPU): after
    ``loader.warmup_batches`` batches, images per second over ``loader.seconds``, the device synchronised at both
    ends of the timed window;
 3. train rows: ``train.py`` end to end (``train.args``: the ImageNet recipe, compiled) on ``data=synthetic`` (the
@@ -50,14 +53,25 @@ from swin.data import build_datasets, build_loaders  # noqa: E402
 from swin.distributed import pick_device  # noqa: E402
 from swin.gpu_data import jpeg_frame  # noqa: E402
 
+# the data keys of each kind of loader / train row
+DECODE_KINDS = {
+    "cpu": {"decode": "cpu", "augment": None, "gpu_decode_thread": False},
+    "gpu": {"decode": "gpu", "augment": None, "gpu_decode_thread": False},
+    "gpu_thread": {"decode": "gpu", "augment": None, "gpu_decode_thread": True},
+    "gpu_augment": {"decode": "cpu", "augment": "gpu", "gpu_decode_thread": False},
+}
+LABELS = {"cpu": "data.decode=cpu", "gpu": "data.decode=gpu",
+          "gpu_thread": "data.decode=gpu data.gpu_decode_thread=true (workers read files)",
+          "gpu_augment": "data.decode=cpu data.augment=gpu (workers decode, a thread augments)"}
+
 
 def workers(spec: Any) -> int:
-    """A worker count: an int, 'all' (every core) or 'all-1'."""
+    """A worker count: an int, 'all' (every core) or 'all-N' (every core but N, at least 1)."""
     cores = os.cpu_count() or 1
     if spec == "all":
         return cores
-    if spec == "all-1":
-        return max(1, cores - 1)
+    if isinstance(spec, str) and spec.startswith("all-"):
+        return max(1, cores - int(spec[4:]))
     return int(spec)
 
 
@@ -102,10 +116,11 @@ def _mean(values: list[float]) -> float:
 
 
 def data_config(cfg: DictConfig, root: Path, decode: str, num_workers: int) -> DictConfig:
-    """The recipe's data section on ``root``; decode "gpu_thread": data.decode=gpu with data.gpu_decode_thread."""
+    """The recipe's data section on ``root`` with the data keys of row kind ``decode`` (DECODE_KINDS)."""
     data = OmegaConf.create(OmegaConf.to_container(cfg.data, resolve=False))
-    data.root, data.decode, data.num_workers = str(root), decode.removesuffix("_thread"), num_workers
-    data.gpu_decode_thread = decode == "gpu_thread"
+    data.root, data.num_workers = str(root), num_workers
+    for key, value in DECODE_KINDS[decode].items():
+        data[key] = value
     return data
 
 
@@ -158,10 +173,12 @@ def train_row(cfg: DictConfig, root: Path, out_dir: Path, name: str, timeout: fl
         args = synthetic_recipe(args, run_dir) + [
             "data=synthetic", f"data.train_samples={n}", f"data.val_samples={max(cfg.batch_size, 64)}",
             f"data.num_classes={classes}"]
-    else:  # gpu_thread: data.decode=gpu decoded by a thread of train.py, the workers reading files
-        args += [f"data.root={root}", f"data.decode={'cpu' if name == 'cpu' else 'gpu'}",
-                 f"data.gpu_decode_thread={str(name == 'gpu_thread').lower()}",
-                 f"data.num_workers={workers(t.cpu_workers if name == 'cpu' else t.gpu_workers)}"]
+    else:  # the data keys of the row's kind, then the worker count
+        keys = DECODE_KINDS[name]
+        count = {"cpu": t.cpu_workers, "gpu_augment": t.gpu_augment_workers}.get(name, t.gpu_workers)
+        args += [f"data.root={root}", f"data.decode={keys['decode']}", f"data.augment={keys['augment'] or 'null'}",
+                 f"data.gpu_decode_thread={str(keys['gpu_decode_thread']).lower()}",
+                 f"data.num_workers={workers(count)}"]
     row = {"kind": "train", "name": name, "workers": None if name == "synthetic" else int(args[-1].split("=")[1]),
            "args": args, "run_dir": str(run_dir)}
     row.update(_run([sys.executable, str(ROOT / "train.py"), *args], timeout))
@@ -237,15 +254,12 @@ def table(result: dict[str, Any]) -> str:
             note = f"{r['batches']} batches in {r['seconds']:.1f} s, start-up {r['startup_s']:.1f} s"
             if r["decode"] != "cpu":
                 note += f", {r['cpu_decoded']} decoded on the CPU"
-            decode = ("gpu data.gpu_decode_thread=true (workers read files)" if r["decode"] == "gpu_thread"
-                      else r["decode"])
-            lines.append(f"| loader only, data.decode={decode}, num_workers={r['workers']} | {_fmt(r['img_s'])} "
+            lines.append(f"| loader only, {LABELS[r['decode']]}, num_workers={r['workers']} | {_fmt(r['img_s'])} "
                          f"| - | - | {note} |")
         elif r["kind"] == "train":
             ratio = f"{r['img_s'] / synthetic:.2f}" if synthetic and r.get("img_s") else "-"
             label = ("train.py data=synthetic (same recipe)" if r["name"] == "synthetic" else
-                     f"train.py data.decode=gpu data.gpu_decode_thread=true, num_workers={r['workers']}"
-                     if r["name"] == "gpu_thread" else f"train.py data.decode={r['name']}, num_workers={r['workers']}")
+                     f"train.py {LABELS[r['name']]}, num_workers={r['workers']}")
             per_epoch = ", ".join(_fmt(v) for v in r.get("img_s_per_epoch", []))
             lines.append(f"| {label} | {_fmt(r.get('img_s'))} | {_fmt(r.get('data_wait'), '.1%')} | {ratio} "
                          f"| per epoch: {per_epoch} |")
@@ -300,6 +314,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         plan += [("loader", ("cpu", workers(w))) for w in cfg.loader.cpu_workers]
         plan += [("loader", ("gpu", workers(w))) for w in cfg.loader.gpu_workers]
         plan += [("loader", ("gpu_thread", workers(w))) for w in cfg.loader.gpu_thread_workers]
+        plan += [("loader", ("gpu_augment", workers(w))) for w in cfg.loader.gpu_augment_workers]
     for name in cfg.train.rows:  # the eval rows need the data.decode=gpu run's checkpoint: right after it
         plan += [("train", name)]
         if name == "gpu" and cfg.eval.enabled:

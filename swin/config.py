@@ -74,6 +74,7 @@ class ImageFolderDataConfig(DataConfig):
     skip_corrupt: bool = MISSING
     decode: str = MISSING
     gpu_decode_thread: bool = MISSING
+    augment: str | None = MISSING  # null: where data.decode decodes
     mean: list[float] = MISSING
     std: list[float] = MISSING
     interpolation: str = MISSING
@@ -260,6 +261,7 @@ class LoaderBenchConfig:
     cpu_workers: list[Any] = MISSING  # worker counts: ints, all or all-1
     gpu_workers: Any = MISSING
     gpu_thread_workers: Any = MISSING  # data.gpu_decode_thread=true rows: file-reading workers
+    gpu_augment_workers: Any = MISSING  # data.augment=gpu rows: workers decoding on the CPU
     warmup_batches: int = MISSING
     seconds: float = MISSING
 
@@ -269,6 +271,7 @@ class TrainBenchConfig:
     rows: list[str] = MISSING
     cpu_workers: Any = MISSING
     gpu_workers: Any = MISSING
+    gpu_augment_workers: Any = MISSING
     epochs: int = MISSING
     compile: bool = MISSING
     args: list[str] = MISSING

@@ -160,12 +160,34 @@ def decode_mode(cfg: Any) -> str:
     return mode
 
 
+AUGMENT_MODES = ("cpu", "gpu")
+
+
+def augment_mode(cfg: Any) -> str:
+    """``data.augment``: where the training and evaluation transforms run. cpu: timm's transforms in the loader
+    workers; gpu: swin.gpu_augment on the training device. Unset (null): where data.decode decodes. data.decode=gpu
+    always augments on the GPU. ValueError for anything else."""
+    decode = decode_mode(cfg)
+    mode = cfg.get("augment") or decode
+    if mode not in AUGMENT_MODES:
+        raise ValueError(f"data.augment={mode!r}: use cpu (timm's transforms in the loader workers) or gpu (on the "
+                         "training device), or null (where data.decode decodes)")
+    if decode == "gpu" and mode == "cpu":
+        raise ValueError("data.augment=cpu with data.decode=gpu: images decoded on the GPU are augmented there; drop "
+                         "data.augment or use data.decode=cpu")
+    if mode == "gpu" and cfg.name not in ("imagefolder", "imagenet"):
+        raise ValueError(f"data.augment=gpu augments JPEG folders (data=imagenet or data=imagefolder), not "
+                         f"data={cfg.name}; drop data.augment")
+    return mode
+
+
 def check_decode(cfg: Any, img_size: Any) -> None:
-    """Raise ValueError (naming the data.* key) for what data.decode=gpu cannot do, before any work."""
+    """Raise ValueError (naming the data.* key) for what data.decode=gpu or data.augment=gpu cannot do, before any
+    work."""
     if cfg.get("gpu_decode_thread", False) and decode_mode(cfg) != "gpu":
         raise ValueError("data.gpu_decode_thread=true decodes on the GPU in a thread of the training process: it "
                          "needs data.decode=gpu (or drop data.gpu_decode_thread)")
-    if decode_mode(cfg) == "gpu":
+    if augment_mode(cfg) == "gpu":
         from .gpu_augment import eval_spec, train_spec
         train_spec(cfg, img_size)
         eval_spec(cfg, img_size)
@@ -173,12 +195,14 @@ def check_decode(cfg: Any, img_size: Any) -> None:
 
 def folder_split(cfg: Any, root: Path, img_size: tuple[int, int], train: bool) -> Dataset:
     """One split of a folder dataset with the data config's training or evaluation transforms: in the workers
-    (CheckedImageFolder, data.decode=cpu) or, described, for the device (EncodedImageFolder, data.decode=gpu)."""
-    if decode_mode(cfg) == "gpu":
+    (CheckedImageFolder, data.decode=cpu) or, described, for the device (data.augment=gpu: EncodedImageFolder,
+    whose files are decoded on the GPU, or DecodedImageFolder, decoded on the CPU by the workers)."""
+    if augment_mode(cfg) == "gpu":
         from .gpu_augment import EvalTransform, TrainTransform, eval_spec, train_spec
-        from .gpu_data import EncodedImageFolder
+        from .gpu_data import DecodedImageFolder, EncodedImageFolder
         tf = TrainTransform(train_spec(cfg, img_size)) if train else EvalTransform(eval_spec(cfg, img_size))
-        return EncodedImageFolder(root, tf, cfg.skip_corrupt)
+        folder = EncodedImageFolder if decode_mode(cfg) == "gpu" else DecodedImageFolder
+        return folder(root, tf, cfg.skip_corrupt)
     mean, std = tuple(cfg.mean), tuple(cfg.std)
     if not train:
         return CheckedImageFolder(root, eval_transform(img_size, cfg.interpolation, cfg.crop_pct, mean, std),
@@ -469,22 +493,33 @@ def build_eval_loader(val: Dataset, cfg: Any, device: torch.device, rank: int, w
 
 
 def _encoded_folder(ds: Dataset) -> Any:
-    """The EncodedImageFolder (data.decode=gpu) under `ds` (maybe a Subset of it), else None."""
+    """The folder dataset augmented on the device (data.augment=gpu: swin.gpu_data's EncodedImageFolder or
+    DecodedImageFolder) under `ds` (maybe a Subset of it), else None."""
     base = ds.dataset if isinstance(ds, Subset) else ds
-    if type(base).__name__ != "EncodedImageFolder":  # swin.gpu_data is imported only when it is used
+    # swin.gpu_data is imported only when it is used
+    if type(base).__name__ not in ("EncodedImageFolder", "DecodedImageFolder"):
         return None
     return base
+
+
+def _decoded_in_workers(ds: Dataset) -> bool:
+    """data.decode=cpu with data.augment=gpu: the workers decode, a thread of this process augments."""
+    return type(_encoded_folder(ds)).__name__ == "DecodedImageFolder"
 
 
 def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, seed: int = 0) -> dict[str, Any]:
     """DataLoader settings shared by the training and evaluation loaders of folder datasets. data.decode=gpu: the
     workers decode and augment on `device` (swin.gpu_data.DeviceCollate), spawned when that is a GPU (a forked
-    process cannot use CUDA)."""
+    process cannot use CUDA); with a decoding thread they only read files. data.augment=gpu with CPU decoding: the
+    workers decode and pack each batch into one buffer, pinned here."""
     workers = cfg.get("num_workers", 0)
     settings = dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
                     persistent_workers=workers > 0)
     encoded = _encoded_folder(ds)
-    if _decodes_in_thread(cfg, ds):  # the workers only read files
+    if _decoded_in_workers(ds):
+        from .gpu_data import collate_decoded
+        settings["collate_fn"] = collate_decoded
+    elif _decodes_in_thread(cfg, ds):  # the workers only read files
         from .gpu_data import collate_encoded
         settings.update(collate_fn=collate_encoded, pin_memory=False)
     elif encoded is not None:
@@ -498,13 +533,14 @@ def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, seed: int = 0)
 
 
 def _decodes_in_thread(cfg: Any, ds: Dataset) -> bool:
-    """data.decode=gpu with data.gpu_decode_thread: the workers read files, a thread of this process decodes."""
-    return _encoded_folder(ds) is not None and bool(cfg.get("gpu_decode_thread", False))
+    """A thread of this process decodes and augments: data.decode=gpu with data.gpu_decode_thread (the workers
+    read files), or data.augment=gpu with CPU decoding (the workers decode; the thread copies and augments)."""
+    return _decoded_in_workers(ds) or (_encoded_folder(ds) is not None and bool(cfg.get("gpu_decode_thread", False)))
 
 
 def _decoding(loader: DataLoader, cfg: Any, device: torch.device, ds: Dataset, seed: int = 0) -> Any:
-    """``loader``, or with data.gpu_decode_thread its batches decoded and augmented in a thread of this process
-    (swin.gpu_data.DecodeThread)."""
+    """``loader``, or its batches decoded and augmented in a thread of this process (swin.gpu_data.DecodeThread)
+    where _decodes_in_thread says so."""
     if not _decodes_in_thread(cfg, ds):
         return loader
     from .gpu_data import DecodeThread, DeviceCollate

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from . import MODEL_CONFIGS, create_model
-from .data import build_datasets, build_loaders, check_decode, decode_mode
+from .data import augment_mode, build_datasets, build_loaders, check_decode, decode_mode
 from .distributed import (
     DistInfo,
     all_gather_object,
@@ -373,6 +373,9 @@ def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
         how = ("read the JPEG files; a thread of this process decodes them (nvJPEG) and augments them"
                if cfg.data.get("gpu_decode_thread", False) else "decode the JPEG files (nvJPEG) and augment them")
         log.info(f"data.decode=gpu: {cfg.data.num_workers} loader worker(s) {how} on {device}")
+    elif augment_mode(cfg.data) == "gpu":
+        log.info(f"data.augment=gpu: {cfg.data.num_workers} loader worker(s) decode the images on the CPU; a thread "
+                 f"of this process augments them on {device}")
 
     num_classes = cfg.model.num_classes or data.num_classes
     if num_classes < data.num_classes:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.crop_resize import crop_resize
+from kernels.crop_resize import crop_resize, crop_resize_packed
 from kernels.ops import interpreting
 from kernels.rand_augment import (
     AFFINE_BICUBIC,
@@ -71,6 +71,50 @@ RA_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize
           "Contrast", "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
 LEVEL_MAX = 10.0  # magnitudes are on a 0..10 scale
 TRANSLATE_PCT = 0.45  # timm's default relative translation at magnitude 10
+
+
+@dataclass
+class PackedImages:
+    """Decoded images back to back in one flat uint8 tensor, each (3, H_i, W_i) contiguous, ``shapes[i] = (H_i,
+    W_i)``: what loader workers that decode on the CPU send (data.augment=gpu): one buffer to pin and copy to the
+    device, already in the crop kernel's layout. The transforms take it wherever they take a list of images."""
+
+    pixels: torch.Tensor
+    shapes: np.ndarray  # (n, 2) int64
+
+    @classmethod
+    def pack(cls, images: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> PackedImages:
+        """The (3, H, W) uint8 ``images`` (any strides: torchvision decodes into HWC memory) copied into ``out``
+        (a flat uint8 tensor of the right size, e.g. in shared memory) or a new tensor."""
+        shapes = np.array([img.shape[-2:] for img in images], dtype=np.int64).reshape(len(images), 2)
+        counts = 3 * shapes[:, 0] * shapes[:, 1]
+        pixels = torch.empty(int(counts.sum()), dtype=torch.uint8) if out is None else out
+        for img, start, n, (h, w) in zip(images, (np.cumsum(counts) - counts).tolist(), counts.tolist(),
+                                         shapes.tolist()):
+            pixels[start:start + n].view(3, h, w).copy_(img)
+        return cls(pixels, shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def sizes(self) -> list[tuple[int, int]]:
+        return [(h, w) for h, w in self.shapes.tolist()]
+
+    def unpack(self) -> list[torch.Tensor]:
+        """The images as (3, H, W) views of ``pixels``."""
+        counts = (3 * self.shapes[:, 0] * self.shapes[:, 1]).tolist()
+        return [part.view(3, h, w) for part, (h, w) in zip(self.pixels.split(counts), self.shapes.tolist())]
+
+    def pin_memory(self) -> PackedImages:
+        return PackedImages(self.pixels.pin_memory(), self.shapes)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> PackedImages:
+        return PackedImages(self.pixels.to(device, non_blocking=non_blocking), self.shapes)
+
+
+def image_sizes(images: Sequence[torch.Tensor] | PackedImages) -> list[tuple[int, int]]:
+    """(height, width) of each image of a batch."""
+    return images.sizes() if isinstance(images, PackedImages) else [tuple(i.shape[-2:]) for i in images]
 
 
 # --- configuration -----------------------------------------------------------------------------------------
@@ -517,11 +561,13 @@ class TrainTransform:
     def uses_kernels(self, device: torch.device) -> bool:
         return self.kernels if self.kernels is not None else (device.type == "cuda" or interpreting())
 
-    def apply(self, images: Sequence[torch.Tensor], plan: BatchPlan) -> torch.Tensor:
-        device = images[0].device
+    def apply(self, images: Sequence[torch.Tensor] | PackedImages, plan: BatchPlan) -> torch.Tensor:
+        device = images.pixels.device if isinstance(images, PackedImages) else images[0].device
         if self.uses_kernels(device):
             return self._apply_kernels(images, plan)
         consts = self.to(device)._consts[device]
+        if isinstance(images, PackedImages):
+            images = images.unpack()
         x = resized_crops(images, plan.boxes, plan.modes, self.spec.size)
         if not plan.flips.any() and not plan.layers:
             return x
@@ -542,13 +588,16 @@ class TrainTransform:
             x = x[params[inverse_at:inverse_at + n].long()]
         return x
 
-    def _apply_kernels(self, images: Sequence[torch.Tensor], plan: BatchPlan) -> torch.Tensor:
+    def _apply_kernels(self, images: Sequence[torch.Tensor] | PackedImages, plan: BatchPlan) -> torch.Tensor:
         """apply() in kernels: crops (two launches), flips (one), and per layer four launches whatever its ops."""
-        device = images[0].device
-        fill = self.to(device)._consts[device]["fill"].view(3)
         if any(((ops < 0) | (ops >= NUM_OPS)).any() for ops, _ in plan.layers):
             raise ValueError(f"augmentation op ids must lie in 0..{NUM_OPS - 1}")
-        x = crop_resize(list(images), plan.boxes, plan.modes, self.spec.size)
+        if isinstance(images, PackedImages):
+            x = crop_resize_packed(images.pixels, images.shapes, plan.boxes, plan.modes, self.spec.size)
+        else:
+            x = crop_resize(list(images), plan.boxes, plan.modes, self.spec.size)
+        device = x.device
+        fill = self.to(device)._consts[device]["fill"].view(3)
         n = x.shape[0]
         # one host-to-device copy: the flips, then per layer the op ids (exact in float32) and the arguments
         params = _to_device(np.concatenate([plan.flips.astype(np.float32)] + [
@@ -562,8 +611,8 @@ class TrainTransform:
                               fill)
         return x
 
-    def __call__(self, images: Sequence[torch.Tensor], rng: np.random.Generator) -> torch.Tensor:
-        return self.apply(images, self.plan([tuple(i.shape[-2:]) for i in images], rng))
+    def __call__(self, images: Sequence[torch.Tensor] | PackedImages, rng: np.random.Generator) -> torch.Tensor:
+        return self.apply(images, self.plan(image_sizes(images), rng))
 
 
 def eval_geometry(height: int, width: int, spec: EvalSpec) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -602,9 +651,12 @@ class EvalTransform:
     def to(self, device: torch.device) -> EvalTransform:
         return self
 
-    def __call__(self, images: Sequence[torch.Tensor], rng: np.random.Generator | None = None) -> torch.Tensor:
+    def __call__(self, images: Sequence[torch.Tensor] | PackedImages, rng: np.random.Generator | None = None
+                 ) -> torch.Tensor:
         mode = MODES[_MODE_OF[self.spec.interpolation]]
         s = self.spec.size
+        if isinstance(images, PackedImages):
+            images = images.unpack()
         out = []
         for img in images:
             (h, w), (top, left) = eval_geometry(img.shape[-2], img.shape[-1], self.spec)
@@ -612,6 +664,6 @@ class EvalTransform:
         return torch.cat(out).to(torch.uint8)
 
 
-__all__ = ["BatchPlan", "EvalSpec", "EvalTransform", "RandAugmentSpec", "TrainSpec", "TrainTransform", "apply_op",
-           "eval_geometry", "eval_spec", "indexed", "parse_rand_augment", "plan_batch", "rand_augment_args",
-           "resize_like_pil", "resized_crops", "sample_crop_boxes", "train_spec"]
+__all__ = ["BatchPlan", "EvalSpec", "EvalTransform", "PackedImages", "RandAugmentSpec", "TrainSpec", "TrainTransform",
+           "apply_op", "eval_geometry", "eval_spec", "image_sizes", "indexed", "parse_rand_augment", "plan_batch",
+           "rand_augment_args", "resize_like_pil", "resized_crops", "sample_crop_boxes", "train_spec"]

@@ -25,6 +25,12 @@ Pieces, in the order a batch meets them (all in a worker process; in the trainin
   sample indices (the same augmentation for the same batch after a resume mid-epoch); returns
   ``(uint8 images, targets, dropped files, CPU-decoded paths)`` for swin.data.DeviceLoader.
 
+``data.decode=cpu data.augment=gpu`` takes the other split: the workers decode on the CPU (libjpeg-turbo:
+:class:`DecodedImageFolder`, ~1 ms per ImageNet file and core) and send each batch packed in one buffer
+(:func:`collate_decoded`); a thread of the training process copies it to the device and augments it there
+(:class:`DecodeThread`). The training process keeps the only CUDA context, and its host work per batch is one copy
+and a handful of kernel launches.
+
 With ``device="cpu"`` everything runs on the CPU, the same code: that is what the CPU tests check.
 """
 from __future__ import annotations
@@ -44,7 +50,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from .data import CheckedImageFolder, readable, unreadable_image
-from .gpu_augment import EvalTransform, TrainTransform, indexed
+from .gpu_augment import EvalTransform, PackedImages, TrainTransform, indexed
 from .nvjpeg import HardwareJpegDecoder, open_hardware_decoder
 
 # torchvision 0.29 deprecates its image codecs in favour of TorchCodec (they still work, and 0.26 on the GPU
@@ -151,6 +157,15 @@ class EncodedImageFolder(CheckedImageFolder):
         return None if s is None else (*s, i)  # the index seeds the batch's augmentation
 
 
+class DecodedImageFolder(EncodedImageFolder):
+    """data.decode=cpu with data.augment=gpu: the workers decode every file on the CPU (libjpeg-turbo through
+    torchvision, PIL for other formats) and a thread of the training process augments on the device. Samples are
+    ``(decoded (3, H, W) uint8 image, label, path, index)``."""
+
+    def read(self, path: str) -> torch.Tensor:
+        return decode_on_cpu(Path(path).read_bytes())
+
+
 @dataclass
 class EncodedBatch:
     """A batch of files: the JPEGs back to back in ``data`` (``sizes[k]`` bytes for slot k, 0 for slots decoded on
@@ -177,6 +192,38 @@ def collate_encoded(samples: Sequence[tuple[bytes | torch.Tensor, int, str, int]
                         decoded={k: s[0] for k, s in enumerate(kept) if isinstance(s[0], torch.Tensor)},
                         targets=torch.tensor([s[1] for s in kept], dtype=torch.long), paths=[s[2] for s in kept],
                         indices=[s[3] for s in kept], skipped=len(samples) - len(kept))
+
+
+@dataclass
+class DecodedBatch:
+    """A batch of images decoded by the workers (:class:`DecodedImageFolder`), packed into one buffer, with their
+    labels, paths, dataset indices and dropped files. ``pin_memory`` lets the DataLoader pin it whole."""
+
+    images: PackedImages
+    targets: torch.Tensor
+    paths: list[str]
+    indices: list[int]
+    skipped: int = 0
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def pin_memory(self) -> DecodedBatch:
+        return DecodedBatch(self.images.pin_memory(), self.targets.pin_memory(), self.paths, self.indices,
+                            self.skipped)
+
+
+def collate_decoded(samples: Sequence[tuple[torch.Tensor, int, str, int] | None]) -> DecodedBatch:
+    """The ``collate_fn`` of data.augment=gpu with CPU decoding: the images packed into one buffer (in shared
+    memory in a worker process, where sending it would otherwise copy it there)."""
+    kept = readable(samples)
+    size = sum(s[0].numel() for s in kept)
+    out = torch.empty(size, dtype=torch.uint8)
+    if get_worker_info() is not None:
+        out.share_memory_()
+    return DecodedBatch(PackedImages.pack([s[0] for s in kept], out),
+                        torch.tensor([s[1] for s in kept], dtype=torch.long), [s[2] for s in kept],
+                        [s[3] for s in kept], skipped=len(samples) - len(kept))
 
 
 # --- decoding and augmenting (in a worker process) -----------------------------------------------------------
@@ -300,13 +347,17 @@ class DeviceCollate:
         images, targets, skipped, on_cpu = self.decode(batch)
         return self.augment(images, batch.indices), targets, skipped, on_cpu
 
-    def decode(self, batch: EncodedBatch) -> tuple[list[torch.Tensor], torch.Tensor, int, list[str]]:
-        """(decoded images on the device, their labels, files dropped, paths decoded on the CPU)."""
+    def decode(self, batch: EncodedBatch | DecodedBatch
+               ) -> tuple[list[torch.Tensor] | PackedImages, torch.Tensor, int, list[str]]:
+        """(decoded images on the device, their labels, files dropped, paths nvJPEG left to the CPU). A batch the
+        workers decoded already (DecodedBatch) is copied to the device (asynchronously, when pinned)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        if isinstance(batch, DecodedBatch):
+            return batch.images.to(self.device, non_blocking=True), batch.targets, batch.skipped, []
         return self.decoder(batch, files_per_call(self.device))
 
-    def augment(self, images: list[torch.Tensor], indices: list[int]) -> torch.Tensor:
+    def augment(self, images: list[torch.Tensor] | PackedImages, indices: list[int]) -> torch.Tensor:
         """The transform of a batch's decoded images, drawn from the generator of the batch's sample indices."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -321,7 +372,9 @@ class DeviceCollate:
 class DecodeThread:
     """``data.gpu_decode_thread=true``: the loader's workers only read files (``collate_fn=collate_encoded``); two
     threads of the training process decode (DeviceCollate.decode; the GPU's JPEG engines through swin.nvjpeg where
-    it has them) and transform (DeviceCollate.augment) each batch, overlapped, each on a CUDA stream of its own. The
+    it has them) and transform (DeviceCollate.augment) each batch, overlapped, each on a CUDA stream of its own.
+    ``data.augment=gpu`` with CPU decoding: the workers decode (``collate_fn=collate_decoded``) and the first thread
+    only copies each packed batch to the device. The
     transforming thread waits for its stream (that thread only, never the training loop) and hands the batch over
     through a queue of ``prefetch`` batches, in the sampler's order. No second CUDA context time-slices the GPU with
     the training step, as the workers' do (docs/benchmarks.md, 2026-11-24); nvJPEG gets a few files per call
@@ -343,7 +396,7 @@ class DecodeThread:
         stream, decoder = self._stream(), self.collate.decoder
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                if stream is not None and decoder.engines is None:
+                if stream is not None and decoder.engines is None and self.loader.collate_fn is collate_encoded:
                     decoder.engines = open_hardware_decoder(self.collate.device, files_per_call(self.collate.device))
                 for batch in self.loader:
                     images, targets, skipped, on_cpu = self.collate.decode(batch)
@@ -367,8 +420,9 @@ class DecodeThread:
                     images, done, targets, skipped, on_cpu, indices = item
                     if stream is not None:
                         stream.wait_event(done)
-                        for img in images:  # made on the decoding thread's stream: not reused before this one ran
-                            img.record_stream(stream)
+                        # made on the decoding thread's stream: not reused before this one ran
+                        for t in [images.pixels] if isinstance(images, PackedImages) else images:
+                            t.record_stream(stream)
                     x = self.collate.augment(images, indices)
                     if stream is not None:
                         stream.synchronize()  # this thread waits for its own work; the consumer never does
@@ -428,6 +482,6 @@ def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
     return False
 
 
-__all__ = ["DecodeThread", "DeviceCollate", "EncodedBatch", "EncodedImageFolder", "FILES_PER_CALL_BESIDE_STEP",
-           "JpegDecoder", "collate_encoded", "decode_on_cpu", "engines_take", "files_per_call", "jpeg_frame",
-           "nvjpeg_can_decode"]
+__all__ = ["DecodeThread", "DecodedBatch", "DecodedImageFolder", "DeviceCollate", "EncodedBatch",
+           "EncodedImageFolder", "FILES_PER_CALL_BESIDE_STEP", "JpegDecoder", "collate_decoded", "collate_encoded",
+           "decode_on_cpu", "engines_take", "files_per_call", "jpeg_frame", "nvjpeg_can_decode"]

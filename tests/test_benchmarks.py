@@ -392,22 +392,23 @@ def test_bench_data_cpu(tmp_path):
                 "data.auto_augment=rand-m9-mstd0.5-inc1",
                 f"generate.dir={tmp_path / 'fake'}", "generate.classes=2", "generate.train_per_class=8",
                 "generate.val_per_class=2", "batch_size=4", "loader.cpu_workers=[1]", "loader.gpu_workers=[1]",
-                "loader.gpu_thread_workers=[1]", "loader.warmup_batches=1", "loader.seconds=0.3",
-                "train.rows=[gpu,synthetic,gpu_thread]",
-                "train.epochs=1", "train.compile=false",
+                "loader.gpu_thread_workers=[1]", "loader.gpu_augment_workers=[1]", "loader.warmup_batches=1",
+                "loader.seconds=0.3", "train.rows=[gpu,synthetic,gpu_thread,gpu_augment]",
+                "train.gpu_augment_workers=2", "train.epochs=1", "train.compile=false",
                 'train.args=["experiment=imagenet_swin_tiny","train.warmup_epochs=0",'
                 '"logger.wandb.mode=disabled","logger.progress=false","train.save_every_epochs=0"]',
                 "eval.workers=0", f"out_dir={out}"], cwd=tmp_path, timeout=240)
     result = json.loads((out / "bench_data.json").read_text())
     assert result["folder"]["train_files"] == 16 and 60 < result["folder"]["mean_kb"] < 160
     rows = {(r["kind"], r.get("decode") or r.get("name")): r for r in result["rows"]}
-    assert set(rows) == {("loader", "cpu"), ("loader", "gpu"), ("loader", "gpu_thread"), ("train", "gpu"),
-                         ("train", "synthetic"), ("train", "gpu_thread"), ("eval", "cpu"), ("eval", "gpu")}
+    kinds = ("cpu", "gpu", "gpu_thread", "gpu_augment")
+    assert set(rows) == {("loader", k) for k in kinds} | {("train", k) for k in kinds[1:]} | {
+        ("train", "synthetic"), ("eval", "cpu"), ("eval", "gpu")}
     for r in rows.values():
         assert "error" not in r and "skipped" not in r, r
-    assert all(positive(rows[k]["img_s"]) for k in [("loader", "cpu"), ("loader", "gpu"), ("loader", "gpu_thread"),
-                                                     ("train", "gpu"), ("train", "synthetic"), ("train", "gpu_thread")])
+    assert all(positive(r["img_s"]) for (kind, _), r in rows.items() if kind != "eval")
     assert "data.gpu_decode_thread=true" in rows[("train", "gpu_thread")]["args"]
+    assert {"data.decode=cpu", "data.augment=gpu", "data.num_workers=2"} <= set(rows[("train", "gpu_augment")]["args"])
     # the synthetic run trains with the experiment's recipe (its data keys do not apply to synthetic data)
     from omegaconf import OmegaConf
     synthetic = OmegaConf.load(Path(rows[("train", "synthetic")]["run_dir"]) / ".hydra" / "config.yaml")
@@ -419,3 +420,4 @@ def test_bench_data_cpu(tmp_path):
     md = (out / "bench_data.md").read_text()
     assert "| loader only, data.decode=gpu, num_workers=1 |" in md and "eval top-1 gpu - cpu" in md
     assert "| loader only, data.decode=gpu data.gpu_decode_thread=true (workers read files), num_workers=1 |" in md
+    assert "| loader only, data.decode=cpu data.augment=gpu (workers decode, a thread augments), num_workers=1 |" in md

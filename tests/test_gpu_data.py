@@ -34,10 +34,12 @@ from swin.data import (
 from swin.engine import ConfigError, check_config
 from swin.gpu_data import (
     FILES_PER_CALL_BESIDE_STEP,
+    DecodedImageFolder,
     DecodeThread,
     DeviceCollate,
     EncodedImageFolder,
     JpegDecoder,
+    collate_decoded,
     collate_encoded,
     engines_take,
     files_per_call,
@@ -555,23 +557,27 @@ def test_decoding_in_calls_of_a_few_files_gives_the_same_batch(photos, tmp_path)
 
 # --- the loader ---------------------------------------------------------------------------------------------
 def _loader(root: Path, batch: int = 3, workers: int = 0, skip_corrupt: bool = False,
-            thread: bool = False) -> DeviceLoader:
-    """data.decode=gpu's training loader on the CPU; thread: decoded in a DecodeThread, the workers reading files."""
+            thread: bool | str = False) -> DeviceLoader:
+    """data.decode=gpu's training loader on the CPU; thread: decoded in a DecodeThread, the workers reading files;
+    thread="decoded": data.augment=gpu with CPU decoding (the workers decode, a DecodeThread augments)."""
     spec = ga.TrainSpec(size=(32, 32), rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
-    ds = EncodedImageFolder(root, ga.TrainTransform(spec), skip_corrupt=skip_corrupt)
+    folder = DecodedImageFolder if thread == "decoded" else EncodedImageFolder
+    ds = folder(root, ga.TrainTransform(spec), skip_corrupt=skip_corrupt)
     sampler = ResumableDistributedSampler(ds, 1, 0, shuffle=True, seed=3)
     collate = DeviceCollate(torch.device("cpu"), ds.device_transform, skip_corrupt, seed=5)
+    read = collate_decoded if thread == "decoded" else collate_encoded
     dl = DataLoader(ds, batch_size=batch, sampler=sampler, drop_last=True, num_workers=workers,
-                    collate_fn=collate_encoded if thread else collate, persistent_workers=workers > 0)
+                    collate_fn=read if thread else collate, persistent_workers=workers > 0)
     norm = _Normalize(torch.device("cpu"), IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
     return DeviceLoader(DecodeThread(dl, collate) if thread else dl, torch.device("cpu"), norm, sampler)
 
 
-@pytest.mark.parametrize("workers, thread", [(0, False), (2, False), (2, True)])
+@pytest.mark.parametrize("workers, thread", [(0, False), (2, False), (2, True), (2, "decoded"), (0, "decoded")])
 def test_gpu_decode_loader_order_resume_and_errors(photos, tmp_path, workers, thread):
     """data.decode=gpu's loader (on the CPU here): batches in the sampler's order, augmentation seeded by the batch
-    (the same after a resume mid-epoch, another in another epoch), in the training process, in workers or in a
-    decoding thread fed by workers (the same batches as decoding in the workers), and an unreadable file named."""
+    (the same after a resume mid-epoch, another in another epoch), in the training process, in workers, in a
+    decoding thread fed by workers, or augmented in a thread fed by workers that decode on the CPU
+    (data.augment=gpu): the same batches as decoding in the workers; and an unreadable file named."""
     root = tmp_path / "train"
     for k, p in enumerate(photos):
         (root / f"c{k % 3}").mkdir(parents=True, exist_ok=True)
@@ -634,11 +640,12 @@ def test_workers_do_not_receive_device_constants():
     assert pickle.loads(pickle.dumps(tf)).spec == tf.spec
 
 
-@pytest.mark.parametrize("thread", [False, True])
+@pytest.mark.parametrize("thread", [False, True, "decoded"])
 def test_train_py_with_gpu_decoding_on_the_cpu(photos, tmp_path, thread):
     """train.py with data.decode=gpu and the ImageNet recipe (RandAugment, random erasing, mixup/cutmix) on a JPEG
     folder with a CMYK file, a PNG named .JPEG and a garbage file, two loader workers (decoding, or reading files
-    for a decoding thread: data.gpu_decode_thread): trains, counts and logs."""
+    for a decoding thread: data.gpu_decode_thread; or decoding on the CPU for a thread that augments:
+    data.decode=cpu data.augment=gpu): trains, counts and logs."""
     data = tmp_path / "data"
     files = {f"train/class{k % 2}/{k}.JPEG": _jpeg(p.resize((64, 48))) for k, p in enumerate(photos[:5])}
     files |= {f"val/class{k}/{k}.JPEG": _jpeg(photos[5 + k].resize((48, 64))) for k in range(2)}
@@ -650,15 +657,20 @@ def test_train_py_with_gpu_decoding_on_the_cpu(photos, tmp_path, thread):
         (data / name).parent.mkdir(parents=True, exist_ok=True)
         (data / name).write_bytes(blob)
     summary = train_inprocess(tmp_path / "run", *DET[:-1], "experiment=imagenet_swin_tiny", "model=swin_micro",
-                              "model.drop_path_rate=0.0", f"data.root={data}", "data.decode=gpu",
-                              "data.num_workers=2", "data.skip_corrupt=true", "train.batch_size=4",
-                              "train.epochs=1", "train.warmup_epochs=0", f"data.gpu_decode_thread={thread}")
-    # 8 training files = 2 batches: the garbage file dropped, CMYK and PNG decoded on the CPU by the workers
-    assert summary["skipped_images"] == 1 and summary["cpu_decoded_images"] == 2
+                              "model.drop_path_rate=0.0", f"data.root={data}", "data.num_workers=2",
+                              "data.skip_corrupt=true", "train.batch_size=4", "train.epochs=1", "train.warmup_epochs=0",
+                              *(["data.decode=cpu", "data.augment=gpu"] if thread == "decoded" else
+                                ["data.decode=gpu", f"data.gpu_decode_thread={thread}"]))
+    # 8 training files = 2 batches: the garbage file dropped; with nvJPEG, CMYK and PNG decoded on the CPU by the
+    # workers (counted: with data.augment=gpu the workers decode every file on the CPU, none is a fallback)
+    assert summary["skipped_images"] == 1 and summary["cpu_decoded_images"] == (0 if thread == "decoded" else 2)
     assert summary["final_top1"] is not None and math.isfinite(summary["final_train_loss"])
     log = (tmp_path / "run" / "train.log").read_text()
-    assert "data.decode=gpu" in log and "2 images decoded on the CPU" in log
-    assert ("a thread of this process decodes them" in log) == thread
+    if thread == "decoded":
+        assert "data.augment=gpu: 2 loader worker(s) decode the images on the CPU" in log
+    else:
+        assert "data.decode=gpu" in log and "2 images decoded on the CPU" in log
+        assert ("a thread of this process decodes them" in log) == thread
 
 
 def test_decode_config_errors_name_the_value():
@@ -675,7 +687,12 @@ def test_decode_config_errors_name_the_value():
     assert "hue" in error("data.decode=gpu", "data.auto_augment=null", "data.color_jitter=[0.4,0.4,0.4,0.1]")
     msg = error("data.gpu_decode_thread=true")
     assert "data.gpu_decode_thread=true" in msg and "data.decode=gpu" in msg and "\n" not in msg
-    check_config(make_cfg("data=imagenet", "data.root=/nowhere", "data.decode=gpu"), 1, torch.device("cpu"))
+    msg = error("data.augment=tpu")
+    assert "data.augment='tpu'" in msg and "cpu" in msg and "gpu" in msg and "\n" not in msg
+    assert "data.augment=cpu with data.decode=gpu" in error("data.decode=gpu", "data.augment=cpu")
+    assert "data.auto_augment='augmix-m5'" in error("data.augment=gpu", "data.auto_augment=augmix-m5")
+    for ok in (["data.decode=gpu"], ["data.augment=gpu"], ["data.decode=gpu", "data.augment=gpu"]):
+        check_config(make_cfg("data=imagenet", "data.root=/nowhere", *ok), 1, torch.device("cpu"))
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------
@@ -800,10 +817,11 @@ def _fingerprints(loader, busy: torch.Tensor | None = None) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("workers, thread", [(0, False), (2, False), (2, True)])
+@pytest.mark.parametrize("workers, thread", [(0, False), (2, False), (2, True), (2, "decoded")])
 def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path, workers, thread):
     """CUDA: batches decoded and augmented on the GPU by spawned workers (or by this process, or by a decoding thread
-    fed by workers: data.gpu_decode_thread), copied and normalised on the loader's side stream one batch ahead,
+    fed by workers: data.gpu_decode_thread; or decoded on the CPU by workers and augmented on the GPU by a thread:
+    data.augment=gpu), copied and normalised on the loader's side stream one batch ahead,
     consumed on the default stream while it is kept busy and frees every batch; with decoding workers, CUDA sync
     debug mode 'error' catches a host sync torch makes in this process (in-process decoding and the decoding thread
     wait for nvJPEG by design). The batches equal the CPU pipeline's on the same files
@@ -817,8 +835,9 @@ def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path, work
         d.mkdir(parents=True, exist_ok=True)
         (d / f"{k}.JPEG").write_bytes(_jpeg(photos[k % len(photos)].rotate(90 * (k // 8), expand=True)))
     cfg = make_cfg("experiment=imagenet_swin_tiny", f"data.root={tmp_path}", "data.val_dir=train",
-                   "data.decode=gpu", f"data.num_workers={workers}", "data.reprob=0",
-                   f"data.gpu_decode_thread={thread}").data
+                   f"data.num_workers={workers}", "data.reprob=0",
+                   *(["data.decode=cpu", "data.augment=gpu"] if thread == "decoded" else
+                     ["data.decode=gpu", f"data.gpu_decode_thread={thread}"])).data
     prints = {}
     busy = torch.randn(2048, 2048, device="cuda")
     for device in ("cpu", "cuda"):
