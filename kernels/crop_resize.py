@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import launch
+from .ops import launch_direct
 
 # per-image mode ids (swin.gpu_augment.MODES order)
 BILINEAR, BICUBIC, NEAREST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -65,8 +65,10 @@ def _tap(t, first, end, centre, inv, mode):
 
 # Triton turns an int argument equal to 1 into a compile-time constant, a Python int without `.to` in _taps
 @triton.jit(do_not_specialize=["OUT_W"])
-def crop_resize_rows_kernel(src_ptr, meta_ptr, rows_ptr, OUT_W, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
-    """rows[image, channel, crop row, j]: the crop's rows resized to OUT_W columns (fp32, not rounded)."""
+def crop_resize_rows_kernel(src_ptr, meta_ptr, rows_ptr, OUT_W, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                            CHANNELS_LAST: tl.constexpr):
+    """rows[image, channel, crop row, j]: the crop's rows resized to OUT_W columns (fp32, not rounded). Images are
+    (3, H, W) planes or, CHANNELS_LAST, (H, W, 3) pixels."""
     image, channel = tl.program_id(0) // 3, tl.program_id(0) % 3
     meta = meta_ptr + image * META
     offset, height, width = tl.load(meta), tl.load(meta + 1).to(tl.int32), tl.load(meta + 2).to(tl.int32)
@@ -78,12 +80,17 @@ def crop_resize_rows_kernel(src_ptr, meta_ptr, rows_ptr, OUT_W, BLOCK_R: tl.cons
         j = tl.arange(0, BLOCK_W)
         live = (r < crop_h)[:, None] & (j < OUT_W)[None, :]
         first, end, centre, inv = _taps(j, crop_w, OUT_W, mode)
-        src = src_ptr + offset + (channel * height).to(tl.int64) * width + (top + r)[:, None] * width + left
+        if CHANNELS_LAST:
+            step = 3
+            src = src_ptr + offset + channel + ((top + r)[:, None] * width + left) * 3
+        else:
+            step = 1
+            src = src_ptr + offset + (channel * height).to(tl.int64) * width + (top + r)[:, None] * width + left
         acc = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
         total = tl.zeros((BLOCK_W,), dtype=tl.float32)
         for t in range(0, tl.max(tl.where(j < OUT_W, end - first, 0), 0)):
             x, inside, w = _tap(t, first, end, centre, inv, mode)
-            pixels = tl.load(src + x[None, :], mask=live & inside[None, :], other=0)
+            pixels = tl.load(src + x[None, :] * step, mask=live & inside[None, :], other=0)
             acc += w[None, :] * pixels.to(tl.float32)
             total += w
         out = rows_ptr + rows_offset + (channel * crop_h + r)[:, None] * OUT_W + j[None, :]
@@ -128,9 +135,10 @@ def crop_resize(images: list[torch.Tensor], boxes: np.ndarray, modes: np.ndarray
 
 
 def crop_resize_packed(pixels: torch.Tensor, shapes: np.ndarray, boxes: np.ndarray, modes: np.ndarray,
-                       size: tuple[int, int]) -> torch.Tensor:
-    """crop_resize of images stored back to back in one flat uint8 tensor, each (3, H_i, W_i) contiguous, with
-    ``shapes[i] = (H_i, W_i)``: what loader workers that decode on the CPU send (no per-image tensors to pack)."""
+                       size: tuple[int, int], channels_last: bool = False) -> torch.Tensor:
+    """crop_resize of images stored back to back in one flat uint8 tensor, each (3, H_i, W_i) contiguous or, with
+    ``channels_last``, (H_i, W_i, 3) contiguous (as libjpeg-turbo decodes), with ``shapes[i] = (H_i, W_i)``: what
+    loader workers that decode on the CPU send (no per-image tensors to pack)."""
     device, n = pixels.device, len(shapes)
     out_h, out_w = size
     heights, widths = np.asarray(shapes, dtype=np.int64).reshape(n, 2).T
@@ -154,8 +162,8 @@ def crop_resize_packed(pixels: torch.Tensor, shapes: np.ndarray, boxes: np.ndarr
     out = torch.empty((n, 3, out_h, out_w), dtype=torch.uint8, device=device)
     block_w = triton.next_power_of_2(out_w)
     block_r = max(1, 4096 // block_w)
-    launch(crop_resize_rows_kernel, (n * 3, triton.cdiv(int(h.max()), block_r)), pixels, meta_t, rows, out_w,
-           BLOCK_R=block_r, BLOCK_W=block_w)
-    launch(crop_resize_cols_kernel, (n * 3, triton.cdiv(out_h, block_r)), rows, meta_t, out, out_h, out_w,
+    launch_direct(crop_resize_rows_kernel, (n * 3, triton.cdiv(int(h.max()), block_r)), pixels, meta_t, rows, out_w,
+           BLOCK_R=block_r, BLOCK_W=block_w, CHANNELS_LAST=channels_last)
+    launch_direct(crop_resize_cols_kernel, (n * 3, triton.cdiv(out_h, block_r)), rows, meta_t, out, out_h, out_w,
            BLOCK_I=block_r, BLOCK_W=block_w)
     return out

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import launch
+from .ops import launch_direct
 
 # op ids (the table's values); the three affine ids differ in their resampling filter
 (AUTOCONTRAST, EQUALIZE, INVERT, POSTERIZE, SOLARIZE, SOLARIZE_ADD, COLOR, CONTRAST, BRIGHTNESS, SHARPNESS,
@@ -316,8 +316,8 @@ def augment_layer(x: torch.Tensor, ops: torch.Tensor, args: torch.Tensor, fill: 
     blocks = triton.cdiv(h * w, BLOCK)
     acc = torch.zeros((n, ACC), dtype=torch.int32, device=x.device)
     lut = torch.empty((n, 3, 256), dtype=torch.uint8, device=x.device)
-    launch(layer_stats_kernel, (n, blocks), x, ops, acc, h * w, BLOCK=BLOCK)
-    launch(layer_lut_kernel, (n,), ops, acc, lut, h * w)
+    launch_direct(layer_stats_kernel, (n, blocks), x, ops, acc, h * w, BLOCK=BLOCK)
+    launch_direct(layer_lut_kernel, (n,), ops, acc, lut, h * w)
     out = torch.empty_like(x)
-    launch(layer_apply_kernel, (n, blocks), x, out, ops, args.contiguous(), acc, lut, fill, h, w, BLOCK=BLOCK)
+    launch_direct(layer_apply_kernel, (n, blocks), x, out, ops, args.contiguous(), acc, lut, fill, h, w, BLOCK=BLOCK)
     return out

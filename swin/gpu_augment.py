@@ -75,23 +75,24 @@ TRANSLATE_PCT = 0.45  # timm's default relative translation at magnitude 10
 
 @dataclass
 class PackedImages:
-    """Decoded images back to back in one flat uint8 tensor, each (3, H_i, W_i) contiguous, ``shapes[i] = (H_i,
-    W_i)``: what loader workers that decode on the CPU send (data.augment=gpu): one buffer to pin and copy to the
-    device, already in the crop kernel's layout. The transforms take it wherever they take a list of images."""
+    """Decoded images back to back in one flat uint8 tensor, each (H_i, W_i, 3) contiguous (as libjpeg-turbo
+    decodes: packing is a plain copy), ``shapes[i] = (H_i, W_i)``: what loader workers that decode on the CPU send
+    (data.augment=gpu): one buffer to pin and copy to the device, read as it is by the crop kernel. The transforms
+    take it wherever they take a list of (3, H, W) images."""
 
     pixels: torch.Tensor
     shapes: np.ndarray  # (n, 2) int64
 
     @classmethod
     def pack(cls, images: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> PackedImages:
-        """The (3, H, W) uint8 ``images`` (any strides: torchvision decodes into HWC memory) copied into ``out``
-        (a flat uint8 tensor of the right size, e.g. in shared memory) or a new tensor."""
+        """The (3, H, W) uint8 ``images`` copied into ``out`` (a flat uint8 tensor of the right size, e.g. in
+        shared memory) or a new tensor; fastest when their memory is (H, W, 3), as torchvision decodes."""
         shapes = np.array([img.shape[-2:] for img in images], dtype=np.int64).reshape(len(images), 2)
         counts = 3 * shapes[:, 0] * shapes[:, 1]
         pixels = torch.empty(int(counts.sum()), dtype=torch.uint8) if out is None else out
         for img, start, n, (h, w) in zip(images, (np.cumsum(counts) - counts).tolist(), counts.tolist(),
                                          shapes.tolist()):
-            pixels[start:start + n].view(3, h, w).copy_(img)
+            pixels[start:start + n].view(h, w, 3).copy_(img.permute(1, 2, 0))
         return cls(pixels, shapes)
 
     def __len__(self) -> int:
@@ -101,9 +102,10 @@ class PackedImages:
         return [(h, w) for h, w in self.shapes.tolist()]
 
     def unpack(self) -> list[torch.Tensor]:
-        """The images as (3, H, W) views of ``pixels``."""
+        """The images as (3, H, W) views of ``pixels`` (channels-last strides)."""
         counts = (3 * self.shapes[:, 0] * self.shapes[:, 1]).tolist()
-        return [part.view(3, h, w) for part, (h, w) in zip(self.pixels.split(counts), self.shapes.tolist())]
+        return [part.view(h, w, 3).permute(2, 0, 1)
+                for part, (h, w) in zip(self.pixels.split(counts), self.shapes.tolist())]
 
     def pin_memory(self) -> PackedImages:
         return PackedImages(self.pixels.pin_memory(), self.shapes)
@@ -593,7 +595,8 @@ class TrainTransform:
         if any(((ops < 0) | (ops >= NUM_OPS)).any() for ops, _ in plan.layers):
             raise ValueError(f"augmentation op ids must lie in 0..{NUM_OPS - 1}")
         if isinstance(images, PackedImages):
-            x = crop_resize_packed(images.pixels, images.shapes, plan.boxes, plan.modes, self.spec.size)
+            x = crop_resize_packed(images.pixels, images.shapes, plan.boxes, plan.modes, self.spec.size,
+                                   channels_last=True)
         else:
             x = crop_resize(list(images), plan.boxes, plan.modes, self.spec.size)
         device = x.device

@@ -176,7 +176,7 @@ def test_batched_crop_resize_matches_interpolate_per_image(photos, size):
     """kernels.crop_resize (two launches for a batch of images of different sizes) against the path it replaced, one
     F.interpolate per image (antialiased bilinear / bicubic, nearest-exact), rounded to uint8: downscaling by up to
     ~8x, upscaling, a non-square output; equal but for rare 1-level rounding differences."""
-    from kernels.crop_resize import crop_resize
+    from kernels.crop_resize import crop_resize, crop_resize_packed
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rng = _rng()
     sizes = rng.integers(30, 400, (len(photos), 2))
@@ -200,6 +200,10 @@ def test_batched_crop_resize_matches_interpolate_per_image(photos, size):
         diff = _levels(got[k:k + 1], want.round().clamp(0, 255).to(torch.uint8))
         assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01, (k, mode, (h, w), diff.max())
     assert (boxes[:, 2] > 4 * size[0]).any() and (boxes[:, 2] < size[0]).any()  # both directions seen
+    # the same images packed channels-last in one buffer, as workers decoding on the CPU send them: the same result
+    packed = ga.PackedImages.pack([img.cpu() for img in images]).to(device)
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(packed.unpack(), images))
+    assert torch.equal(crop_resize_packed(packed.pixels, packed.shapes, boxes, modes, size, channels_last=True), got)
 
 
 @pytest.mark.gpu
