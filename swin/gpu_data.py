@@ -179,12 +179,14 @@ class DecodedImageFolder(EncodedImageFolder):
 @dataclass
 class EncodedBatch:
     """A batch of files: the JPEGs back to back in ``data`` (``sizes[k]`` bytes for slot k, 0 for slots decoded on
-    the CPU already), the CPU-decoded images by slot, labels, paths, dataset indices, dropped files and the paths
+    the CPU already), the CPU-decoded images of slots ``decoded_slots`` packed in ``decoded`` (one buffer: one
+    tensor to share between processes, pin and copy), labels, paths, dataset indices, dropped files and the paths
     decoded on the CPU because nvJPEG cannot decode them. ``pin_memory`` lets the DataLoader pin it."""
 
     data: torch.Tensor
     sizes: list[int]
-    decoded: dict[int, torch.Tensor]
+    decoded_slots: list[int]
+    decoded: PackedImages
     targets: torch.Tensor
     paths: list[str]
     indices: list[int]
@@ -196,7 +198,7 @@ class EncodedBatch:
 
     def pin_memory(self) -> EncodedBatch:
         return replace(self, data=self.data.pin_memory(), targets=self.targets.pin_memory(),
-                       decoded={k: img.pin_memory() for k, img in self.decoded.items()})
+                       decoded=self.decoded.pin_memory())
 
 
 def collate_encoded(samples: Sequence[tuple[bytes | torch.Tensor, int, str, int, bool] | None]) -> EncodedBatch:
@@ -204,11 +206,21 @@ def collate_encoded(samples: Sequence[tuple[bytes | torch.Tensor, int, str, int,
     blobs = [s[0] if isinstance(s[0], bytes) else b"" for s in kept]
     joined = bytearray().join(blobs)  # one host buffer: nvJPEG reads the files from host memory
     data = torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
-    return EncodedBatch(data=data, sizes=[len(b) for b in blobs],
-                        decoded={k: s[0] for k, s in enumerate(kept) if isinstance(s[0], torch.Tensor)},
+    slots = [k for k, s in enumerate(kept) if isinstance(s[0], torch.Tensor)]
+    return EncodedBatch(data=data, sizes=[len(b) for b in blobs], decoded_slots=slots,
+                        decoded=_pack_for_sending([kept[k][0] for k in slots]),
                         targets=torch.tensor([s[1] for s in kept], dtype=torch.long), paths=[s[2] for s in kept],
                         indices=[s[3] for s in kept], skipped=len(samples) - len(kept),
                         fallbacks=[s[2] for s in kept if s[4]])
+
+
+def _pack_for_sending(images: list[torch.Tensor]) -> PackedImages:
+    """``images`` packed into one buffer, in shared memory in a worker process (sending it would otherwise copy it
+    there; and every tensor sent apart costs the receiver a round trip to the worker for its file descriptor)."""
+    out = torch.empty(sum(img.numel() for img in images), dtype=torch.uint8)
+    if images and get_worker_info() is not None:
+        out.share_memory_()
+    return PackedImages.pack(images, out)
 
 
 @dataclass
@@ -234,11 +246,7 @@ def collate_decoded(samples: Sequence[tuple[torch.Tensor, int, str, int, bool] |
     """The ``collate_fn`` of data.augment=gpu with CPU decoding: the images packed into one buffer (in shared
     memory in a worker process, where sending it would otherwise copy it there)."""
     kept = readable(samples)
-    size = sum(s[0].numel() for s in kept)
-    out = torch.empty(size, dtype=torch.uint8)
-    if get_worker_info() is not None:
-        out.share_memory_()
-    return DecodedBatch(PackedImages.pack([s[0] for s in kept], out),
+    return DecodedBatch(_pack_for_sending([s[0] for s in kept]),
                         torch.tensor([s[1] for s in kept], dtype=torch.long), [s[2] for s in kept],
                         [s[3] for s in kept], skipped=len(samples) - len(kept))
 
@@ -331,8 +339,9 @@ class JpegDecoder:
                 decoded = [self._decode_alone(b, batch.paths[k], on_cpu) for k, b in zip(part, blobs)]
             for k, img in zip(part, decoded):
                 images[k] = img
-        for k, img in batch.decoded.items():
-            images[k] = img.to(self.device, non_blocking=True)
+        if batch.decoded_slots:
+            for k, img in zip(batch.decoded_slots, batch.decoded.to(self.device, non_blocking=True).unpack()):
+                images[k] = img
         kept = readable(images)
         keep = [k for k, img in enumerate(images) if img is not None]
         targets = batch.targets if len(keep) == len(images) else batch.targets[keep]

@@ -507,7 +507,7 @@ def test_undecodable_files_fall_back_to_the_cpu_and_are_counted(photos, tmp_path
     ds = EncodedImageFolder(tmp_path, ga.EvalTransform(ga.EvalSpec(64)), skip_corrupt=True)
     batch = collate_encoded([ds[i] for i in range(len(ds))])
     assert batch.skipped == 1  # the garbage file: not a JPEG, not decodable by anything (dropped in the worker)
-    assert sorted(Path(batch.paths[k]).name for k in batch.decoded) == ["c_cmyk.JPEG", "d_png.JPEG"]
+    assert sorted(Path(batch.paths[k]).name for k in batch.decoded_slots) == ["c_cmyk.JPEG", "d_png.JPEG"]
     assert batch.indices == [0, 1, 2, 3, 4, 5]  # the dataset indices of the kept files (the garbage one is last)
     decoder = _NvjpegStandIn(torch.device("cpu"), skip_corrupt=True)
     images, targets, skipped, on_cpu = decoder(batch)
