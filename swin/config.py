@@ -75,7 +75,6 @@ class ImageFolderDataConfig(DataConfig):
     decode: str = MISSING
     gpu_decode_thread: bool = MISSING
     augment: str | None = MISSING  # null: where data.decode decodes
-    cpu_decode_share: float = MISSING
     mean: list[float] = MISSING
     std: list[float] = MISSING
     interpolation: str = MISSING

@@ -187,13 +187,6 @@ def check_decode(cfg: Any, img_size: Any) -> None:
     if cfg.get("gpu_decode_thread", False) and decode_mode(cfg) != "gpu":
         raise ValueError("data.gpu_decode_thread=true decodes on the GPU in a thread of the training process: it "
                          "needs data.decode=gpu (or drop data.gpu_decode_thread)")
-    share = cfg.get("cpu_decode_share", 0.0)
-    if not 0 <= share <= 1:
-        raise ValueError(f"data.cpu_decode_share={share}: the share of files the workers decode on the CPU lies in "
-                         "[0, 1]")
-    if share and decode_mode(cfg) != "gpu":
-        raise ValueError(f"data.cpu_decode_share={share} splits decoding between the CPU and the GPU: it needs "
-                         "data.decode=gpu (or drop data.cpu_decode_share)")
     if augment_mode(cfg) == "gpu":
         from .gpu_augment import eval_spec, train_spec
         train_spec(cfg, img_size)
@@ -210,7 +203,7 @@ def folder_split(cfg: Any, root: Path, img_size: tuple[int, int], train: bool) -
         tf = TrainTransform(train_spec(cfg, img_size)) if train else EvalTransform(eval_spec(cfg, img_size))
         if decode_mode(cfg) == "cpu":
             return DecodedImageFolder(root, tf, cfg.skip_corrupt)
-        return EncodedImageFolder(root, tf, cfg.skip_corrupt, cpu_share=cfg.get("cpu_decode_share", 0.0))
+        return EncodedImageFolder(root, tf, cfg.skip_corrupt)
     mean, std = tuple(cfg.mean), tuple(cfg.std)
     if not train:
         return CheckedImageFolder(root, eval_transform(img_size, cfg.interpolation, cfg.crop_pct, mean, std),
@@ -527,7 +520,7 @@ def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, seed: int = 0)
     if _decoded_in_workers(ds):
         from .gpu_data import collate_decoded
         settings["collate_fn"] = collate_decoded
-    elif _decodes_in_thread(cfg, ds):  # the workers read files (and decode data.cpu_decode_share of them)
+    elif _decodes_in_thread(cfg, ds):  # the workers read files (pinned: nvJPEG reads them from host memory)
         from .gpu_data import collate_encoded
         settings["collate_fn"] = collate_encoded
     elif encoded is not None:

@@ -40,9 +40,8 @@ import io
 import queue
 import threading
 import warnings
-import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,34 +136,25 @@ def decode_on_cpu(data: bytes) -> torch.Tensor:
 
 # --- workers -----------------------------------------------------------------------------------------------------
 class EncodedImageFolder(CheckedImageFolder):
-    """An ImageFolder listing whose samples are ``(file bytes, label, path, index, False)``, or ``(decoded image,
-    label, path, index, fallback)`` for files decoded on the CPU: those nvJPEG cannot decode (``fallback`` true) and
-    ``cpu_share`` of the others, picked by a hash of the path (data.cpu_decode_share: the workers' cores decode
-    beside the GPU). ``device_transform`` (swin.gpu_augment) is what the loader applies on the device after
-    decoding. Unreadable files raise an error naming the file, or (``skip_corrupt``) give None."""
+    """An ImageFolder listing whose samples are ``(file bytes, label, path, index)``, or ``(decoded image, label,
+    path, index)`` for files nvJPEG cannot decode. ``device_transform`` (swin.gpu_augment) is what the loader
+    applies on the device after decoding. Unreadable files raise an error naming the file, or (``skip_corrupt``)
+    give None."""
 
-    def __init__(self, root: Path, device_transform: TrainTransform | EvalTransform, skip_corrupt: bool,
-                 cpu_share: float = 0.0):
+    def __init__(self, root: Path, device_transform: TrainTransform | EvalTransform, skip_corrupt: bool):
         super().__init__(root, None, skip_corrupt)  # lists files only; nothing is opened here
-        self.device_transform, self.cpu_share = device_transform, cpu_share
-
-    def in_cpu_share(self, path: str) -> bool:
-        """Whether ``path`` is one of the files decoded on the CPU by choice (the same files every epoch)."""
-        return zlib.crc32(path.encode()) < self.cpu_share * 2**32
+        self.device_transform = device_transform
 
     def read(self, path: str) -> bytes | torch.Tensor:
         data = Path(path).read_bytes()
-        return data if nvjpeg_can_decode(data) and not self.in_cpu_share(path) else decode_on_cpu(data)
+        return data if nvjpeg_can_decode(data) else decode_on_cpu(data)
 
     def sample(self, image: bytes | torch.Tensor, target: int, path: str) -> tuple[bytes | torch.Tensor, int, str]:
         return image, target, path
 
-    def __getitem__(self, i: int) -> tuple[bytes | torch.Tensor, int, str, int, bool] | None:
+    def __getitem__(self, i: int) -> tuple[bytes | torch.Tensor, int, str, int] | None:
         s = super().__getitem__(i)
-        if s is None:
-            return None
-        fallback = isinstance(s[0], torch.Tensor) and not self.in_cpu_share(s[2])
-        return (*s, i, fallback)  # the index seeds the batch's augmentation
+        return None if s is None else (*s, i)  # the index seeds the batch's augmentation
 
 
 class DecodedImageFolder(EncodedImageFolder):
@@ -180,8 +170,8 @@ class DecodedImageFolder(EncodedImageFolder):
 class EncodedBatch:
     """A batch of files: the JPEGs back to back in ``data`` (``sizes[k]`` bytes for slot k, 0 for slots decoded on
     the CPU already), the CPU-decoded images of slots ``decoded_slots`` packed in ``decoded`` (one buffer: one
-    tensor to share between processes, pin and copy), labels, paths, dataset indices, dropped files and the paths
-    decoded on the CPU because nvJPEG cannot decode them. ``pin_memory`` lets the DataLoader pin it."""
+    tensor to share between processes, pin and copy), labels, paths, dataset indices and dropped files.
+    ``pin_memory`` lets the DataLoader pin it."""
 
     data: torch.Tensor
     sizes: list[int]
@@ -191,7 +181,6 @@ class EncodedBatch:
     paths: list[str]
     indices: list[int]
     skipped: int = 0
-    fallbacks: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -201,7 +190,7 @@ class EncodedBatch:
                        decoded=self.decoded.pin_memory())
 
 
-def collate_encoded(samples: Sequence[tuple[bytes | torch.Tensor, int, str, int, bool] | None]) -> EncodedBatch:
+def collate_encoded(samples: Sequence[tuple[bytes | torch.Tensor, int, str, int] | None]) -> EncodedBatch:
     kept = readable(samples)
     blobs = [s[0] if isinstance(s[0], bytes) else b"" for s in kept]
     joined = bytearray().join(blobs)  # one host buffer: nvJPEG reads the files from host memory
@@ -210,8 +199,7 @@ def collate_encoded(samples: Sequence[tuple[bytes | torch.Tensor, int, str, int,
     return EncodedBatch(data=data, sizes=[len(b) for b in blobs], decoded_slots=slots,
                         decoded=_pack_for_sending([kept[k][0] for k in slots]),
                         targets=torch.tensor([s[1] for s in kept], dtype=torch.long), paths=[s[2] for s in kept],
-                        indices=[s[3] for s in kept], skipped=len(samples) - len(kept),
-                        fallbacks=[s[2] for s in kept if s[4]])
+                        indices=[s[3] for s in kept], skipped=len(samples) - len(kept))
 
 
 def _pack_for_sending(images: list[torch.Tensor]) -> PackedImages:
@@ -242,7 +230,7 @@ class DecodedBatch:
                             self.skipped)
 
 
-def collate_decoded(samples: Sequence[tuple[torch.Tensor, int, str, int, bool] | None]) -> DecodedBatch:
+def collate_decoded(samples: Sequence[tuple[torch.Tensor, int, str, int] | None]) -> DecodedBatch:
     """The ``collate_fn`` of data.augment=gpu with CPU decoding: the images packed into one buffer (in shared
     memory in a worker process, where sending it would otherwise copy it there)."""
     kept = readable(samples)
@@ -324,7 +312,7 @@ class JpegDecoder:
 
     def _decode(self, batch: EncodedBatch, per_call: int) -> tuple[list[torch.Tensor], torch.Tensor, int, list[str]]:
         images: list[torch.Tensor | None] = [None] * len(batch)
-        on_cpu = list(batch.fallbacks)
+        on_cpu = [batch.paths[k] for k in batch.decoded_slots]
         slots = [k for k, n in enumerate(batch.sizes) if n > 0]
         ends = np.cumsum(batch.sizes).tolist()
         whole = memoryview(batch.data.numpy())  # header reads without copies
@@ -364,7 +352,7 @@ class DeviceCollate:
         self.device, self.transform, self.seed = indexed(device), transform, seed
         self.decoder = JpegDecoder(self.device, skip_corrupt)
 
-    def __call__(self, samples: Sequence[tuple[bytes | torch.Tensor, int, str, int, bool] | None]
+    def __call__(self, samples: Sequence[tuple[bytes | torch.Tensor, int, str, int] | None]
                  ) -> tuple[torch.Tensor, torch.Tensor, int, list[str]]:
         return self.transform_batch(collate_encoded(samples))
 

@@ -563,13 +563,12 @@ def test_decoding_in_calls_of_a_few_files_gives_the_same_batch(photos, tmp_path)
 def _loader(root: Path, batch: int = 3, workers: int = 0, skip_corrupt: bool = False,
             thread: bool | str = False) -> DeviceLoader:
     """data.decode=gpu's training loader on the CPU; thread: decoded in a DecodeThread, the workers reading files;
-    thread="decoded": data.augment=gpu with CPU decoding (the workers decode, a DecodeThread augments);
-    thread="share": a DecodeThread, the workers decoding half the files on the CPU (data.cpu_decode_share=0.5)."""
+    thread="decoded": data.augment=gpu with CPU decoding (the workers decode, a DecodeThread augments)."""
     spec = ga.TrainSpec(size=(32, 32), rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
     if thread == "decoded":
         ds = DecodedImageFolder(root, ga.TrainTransform(spec), skip_corrupt=skip_corrupt)
     else:
-        ds = EncodedImageFolder(root, ga.TrainTransform(spec), skip_corrupt, cpu_share=0.5 if thread == "share" else 0)
+        ds = EncodedImageFolder(root, ga.TrainTransform(spec), skip_corrupt)
     sampler = ResumableDistributedSampler(ds, 1, 0, shuffle=True, seed=3)
     collate = DeviceCollate(torch.device("cpu"), ds.device_transform, skip_corrupt, seed=5)
     read = collate_decoded if thread == "decoded" else collate_encoded
@@ -579,22 +578,17 @@ def _loader(root: Path, batch: int = 3, workers: int = 0, skip_corrupt: bool = F
     return DeviceLoader(DecodeThread(dl, collate) if thread else dl, torch.device("cpu"), norm, sampler)
 
 
-@pytest.mark.parametrize("workers, thread", [(0, False), (2, False), (2, True), (2, "decoded"), (0, "decoded"),
-                                             (2, "share")])
+@pytest.mark.parametrize("workers, thread", [(0, False), (2, False), (2, True), (2, "decoded"), (0, "decoded")])
 def test_gpu_decode_loader_order_resume_and_errors(photos, tmp_path, workers, thread):
     """data.decode=gpu's loader (on the CPU here): batches in the sampler's order, augmentation seeded by the batch
     (the same after a resume mid-epoch, another in another epoch), in the training process, in workers, in a
-    decoding thread fed by workers (which may decode a share of the files on the CPU: not counted as files nvJPEG
-    cannot decode), or augmented in a thread fed by workers that decode on the CPU (data.augment=gpu): the same
-    batches as decoding in the workers; and an unreadable file named."""
+    decoding thread fed by workers, or augmented in a thread fed by workers that decode on the CPU
+    (data.augment=gpu): the same batches as decoding in the workers; and an unreadable file named."""
     root = tmp_path / "train"
     for k, p in enumerate(photos):
         (root / f"c{k % 3}").mkdir(parents=True, exist_ok=True)
         (root / f"c{k % 3}" / f"{k}.JPEG").write_bytes(_jpeg(p.resize((150, 110))))
     loader = _loader(root, workers=workers, thread=thread)
-    if thread == "share":
-        shared = [p for p, _ in loader.loader.dataset.folder.samples if loader.loader.dataset.in_cpu_share(p)]
-        assert 0 < len(shared) < len(photos)
     loader.set_epoch(1)
     epoch = list(loader)
     if thread:
@@ -703,10 +697,7 @@ def test_decode_config_errors_name_the_value():
     assert "data.augment='tpu'" in msg and "cpu" in msg and "gpu" in msg and "\n" not in msg
     assert "data.augment=cpu with data.decode=gpu" in error("data.decode=gpu", "data.augment=cpu")
     assert "data.auto_augment='augmix-m5'" in error("data.augment=gpu", "data.auto_augment=augmix-m5")
-    assert "data.cpu_decode_share=1.5" in error("data.decode=gpu", "data.cpu_decode_share=1.5")
-    assert "needs data.decode=gpu" in error("data.cpu_decode_share=0.3")
-    for ok in (["data.decode=gpu"], ["data.augment=gpu"], ["data.decode=gpu", "data.augment=gpu"],
-               ["data.decode=gpu", "data.cpu_decode_share=0.3"]):
+    for ok in (["data.decode=gpu"], ["data.augment=gpu"], ["data.decode=gpu", "data.augment=gpu"]):
         check_config(make_cfg("data=imagenet", "data.root=/nowhere", *ok), 1, torch.device("cpu"))
 
 
