@@ -202,7 +202,7 @@ def test_batched_crop_resize_matches_interpolate_per_image(photos, size):
     assert (boxes[:, 2] > 4 * size[0]).any() and (boxes[:, 2] < size[0]).any()  # both directions seen
     # the same images packed channels-last in one buffer, as workers decoding on the CPU send them: the same result
     packed = ga.PackedImages.pack([img.cpu() for img in images]).to(device)
-    assert all(torch.equal(a, b.cpu()) for a, b in zip(packed.unpack(), images))
+    assert all(torch.equal(a, b) for a, b in zip(packed.unpack(), images))
     assert torch.equal(crop_resize_packed(packed.pixels, packed.shapes, boxes, modes, size, channels_last=True), got)
 
 
