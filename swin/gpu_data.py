@@ -26,7 +26,7 @@ Pieces, in the order a batch meets them (all in a worker process; in the trainin
   ``(uint8 images, targets, dropped files, CPU-decoded paths)`` for swin.data.DeviceLoader.
 
 ``data.decode=cpu data.augment=gpu`` takes the other split: the workers decode on the CPU (libjpeg-turbo:
-:class:`DecodedImageFolder`, ~1 ms per ImageNet file and core) and send each batch packed in one buffer
+:class:`DecodedImageFolder`, 1-2.5 ms per ImageNet-sized file and core) and send each batch packed in one buffer
 (:func:`collate_decoded`); a thread of the training process copies it to the device and augments it there
 (:class:`DecodeThread`). The training process keeps the only CUDA context, and its host work per batch is one copy
 and a handful of kernel launches.
@@ -386,9 +386,9 @@ class DeviceCollate:
 class DecodeThread:
     """``data.gpu_decode_thread=true``: the loader's workers only read files (``collate_fn=collate_encoded``); two
     threads of the training process decode (DeviceCollate.decode; the GPU's JPEG engines through swin.nvjpeg where
-    it has them) and transform (DeviceCollate.augment) each batch, overlapped, each on a CUDA stream of its own.
-    ``data.augment=gpu`` with CPU decoding: the workers decode (``collate_fn=collate_decoded``) and the first thread
-    only copies each packed batch to the device. The
+    it has them) and transform (DeviceCollate.augment) each batch, overlapped, each on a CUDA stream of its own
+    (``data.augment=gpu`` with CPU decoding: the workers decode, ``collate_fn=collate_decoded``, and the first thread
+    only copies each packed batch to the device). The
     transforming thread waits for its stream (that thread only, never the training loop) and hands the batch over
     through a queue of ``prefetch`` batches, in the sampler's order. No second CUDA context time-slices the GPU with
     the training step, as the workers' do (docs/benchmarks.md, 2026-11-24); nvJPEG gets a few files per call
