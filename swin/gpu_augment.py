@@ -84,15 +84,17 @@ class PackedImages:
     shapes: np.ndarray  # (n, 2) int64
 
     @classmethod
-    def pack(cls, images: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> PackedImages:
-        """The (3, H, W) uint8 ``images`` copied into ``out`` (a flat uint8 tensor of the right size, e.g. in
-        shared memory) or a new tensor; fastest when their memory is (H, W, 3), as torchvision decodes."""
+    def pack(cls, images: Sequence[torch.Tensor], shared: bool = False) -> PackedImages:
+        """The (3, H, W) uint8 ``images`` copied into one new buffer, in shared memory with ``shared`` (what a loader
+        worker sends: sending it would otherwise copy it there); fastest when their memory is (H, W, 3), as
+        torchvision decodes."""
         shapes = np.array([img.shape[-2:] for img in images], dtype=np.int64).reshape(len(images), 2)
         counts = 3 * shapes[:, 0] * shapes[:, 1]
-        pixels = torch.empty(int(counts.sum()), dtype=torch.uint8) if out is None else out
-        for img, start, n, (h, w) in zip(images, (np.cumsum(counts) - counts).tolist(), counts.tolist(),
-                                         shapes.tolist()):
-            pixels[start:start + n].view(h, w, 3).copy_(img.permute(1, 2, 0))
+        pixels = torch.empty(int(counts.sum()), dtype=torch.uint8)
+        if shared and len(images):
+            pixels.share_memory_()
+        for img, part, (h, w) in zip(images, pixels.split(counts.tolist()), shapes.tolist()):
+            part.view(h, w, 3).copy_(img.permute(1, 2, 0))
         return cls(pixels, shapes)
 
     def __len__(self) -> int:

@@ -203,12 +203,9 @@ def collate_encoded(samples: Sequence[tuple[bytes | torch.Tensor, int, str, int]
 
 
 def _pack_for_sending(images: list[torch.Tensor]) -> PackedImages:
-    """``images`` packed into one buffer, in shared memory in a worker process (sending it would otherwise copy it
-    there; and every tensor sent apart costs the receiver a round trip to the worker for its file descriptor)."""
-    out = torch.empty(sum(img.numel() for img in images), dtype=torch.uint8)
-    if images and get_worker_info() is not None:
-        out.share_memory_()
-    return PackedImages.pack(images, out)
+    """``images`` packed into one buffer, in shared memory in a worker process: every tensor sent apart costs the
+    receiver a round trip to the worker for its file descriptor."""
+    return PackedImages.pack(images, shared=get_worker_info() is not None)
 
 
 @dataclass
@@ -226,8 +223,7 @@ class DecodedBatch:
         return len(self.images)
 
     def pin_memory(self) -> DecodedBatch:
-        return DecodedBatch(self.images.pin_memory(), self.targets.pin_memory(), self.paths, self.indices,
-                            self.skipped)
+        return replace(self, images=self.images.pin_memory(), targets=self.targets.pin_memory())
 
 
 def collate_decoded(samples: Sequence[tuple[torch.Tensor, int, str, int] | None]) -> DecodedBatch:
