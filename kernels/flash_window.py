@@ -16,14 +16,16 @@ instead (see ``kernels.ops.kernel_op``), so compiled models still compute the ri
   in the kernel. Its backward writes one (B, H, W, 3, heads, head_dim) gradient. With ``cosine_scale``
   (Swin V2) the kernels normalise q and k themselves, so the raw projection goes in and its gradient comes out.
 
-Both take plain tensors and sizes (the window geometry, the relative position index and the mask are
-the model's business, in ``swin/``): ``bias`` is the dense (heads, L, L) additive bias (the relative
-position bias, differentiable), ``mask`` None or the (4, L, L) additive masks of the four window
-classes of a shifted block: interior windows, windows of the last column of the image's window grid,
-of the last row, and the last window (Swin's shifted-window mask depends on nothing else).
+Both take plain tensors and sizes (the window geometry and the mask are the model's business, in ``swin/``):
+``bias`` is Swin's ((2wh-1)(2ww-1), heads) relative position table (differentiable; the kernel that makes the
+bias tiles gathers it with timm's relative index) or a dense (heads, L, L) additive bias, ``mask`` None or the
+(4, L, L) additive masks of the four window classes of a shifted block: interior windows, windows of the last
+column of the image's window grid, of the last row, and the last window (Swin's shifted-window mask depends on
+nothing else). The forward makes the bias-plus-mask tiles once and hands them to the backward.
 
-The bias gets its gradient in fp32: each program sums the score gradients of its windows on chip and
-writes one tile per head; the tiles are summed here (deterministic, no atomics per window and element).
+The bias gets its gradient in fp32: each backward program sums the score gradients of its windows on chip and
+writes one tile per head; two small kernels sum the tiles and then each table entry's token pairs (deterministic,
+no atomics per window and element).
 """
 from __future__ import annotations
 
@@ -33,7 +35,13 @@ import os
 import torch
 import triton
 
-from .flash_window_triton import bias_tiles_kernel, window_attn_bwd_kernel, window_attn_fwd_kernel
+from .flash_window_triton import (
+    bias_grad_sum_kernel,
+    bias_table_grad_kernel,
+    bias_tiles_kernel,
+    window_attn_bwd_kernel,
+    window_attn_fwd_kernel,
+)
 from .ops import interpreting as _interpreting
 from .ops import kernel_op as _kernel_op
 from .ops import launch as _launch
@@ -62,13 +70,22 @@ def unsupported_reason(x: torch.Tensor, window_area: int, head_dim: int) -> str 
     return None
 
 
-def _check(x: torch.Tensor, area: int, head_dim: int, heads: int, bias: torch.Tensor,
-           mask: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, area: int, head_dim: int, heads: int, bias: torch.Tensor, mask: torch.Tensor | None,
+           window: tuple[int, int] | None) -> None:
     reason = unsupported_reason(x, area, head_dim)
     if reason is not None:
         raise ValueError(reason)
-    if bias.shape != (heads, area, area):
-        raise ValueError(f"bias must be (heads, L, L) = ({heads}, {area}, {area}), got {tuple(bias.shape)}")
+    if bias.dim() == 2:
+        if window is None or window[0] * window[1] != area:
+            raise ValueError(f"a 2-D bias is the relative position table of a window: give window_size (wh, ww) with "
+                             f"wh * ww = L = {area}, or pass the dense (heads, L, L) bias")
+        entries = (2 * window[0] - 1) * (2 * window[1] - 1)
+        if bias.shape != (entries, heads):
+            raise ValueError(f"the relative position table of a {window[0]}x{window[1]} window must be "
+                             f"((2wh-1)(2ww-1), heads) = ({entries}, {heads}), got {tuple(bias.shape)}")
+    elif bias.shape != (heads, area, area):
+        raise ValueError(f"bias must be the dense (heads, L, L) = ({heads}, {area}, {area}) bias or a relative "
+                         f"position table, got {tuple(bias.shape)}")
     if mask is not None and mask.shape != (MASK_CLASSES, area, area):
         raise ValueError(f"mask must be None or the ({MASK_CLASSES}, {area}, {area}) masks of interior, last-column, "
                          f"last-row and last windows, got {tuple(mask.shape)}")
@@ -142,9 +159,11 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
 
 
 def kernel_constants(cfg: dict, window: tuple[int, int], masked: bool, has_fill: bool, dtype: torch.dtype,
-                     cosine: bool = False) -> dict:
-    """The kernels' constexpr arguments for a launch config (also used by scripts/kernel_resources.py)."""
+                     cosine: bool = False, tile_rows: int = 0) -> dict:
+    """The kernels' constexpr arguments for a launch config (also used by scripts/kernel_resources.py); tile_rows:
+    those of the bias tiles (see _tile_rows; default the config's own query rows)."""
     tiling = {k: v for k, v in cfg.items() if k not in ("sets", "num_warps", "maxnreg")}
+    tiling["TILE_ROWS"] = tile_rows or cfg["NUM_M"] * cfg["BLOCK_M"]
     # fp32: three tf32 products per product (about fp32 accuracy on tensor cores) for key tiles of up to 4608
     # elements (64 x 64, or 12x12 windows' 128 + 16 keys of 32 channels: 2.2x faster forward+backward than exact
     # FMAs on the H100); larger ones do not fit in shared memory that way on sm_90 (10x10 windows of head_dim 128:
@@ -192,15 +211,24 @@ class _Geometry:
         return (self.total_windows, self.area, *self.feat, *self.addr_grid, *self.addr_shift, *self.mask_grid)
 
 
-def _launch_plan(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry, mask: torch.Tensor | None,
+def _launch_plan(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry, masked: bool,
                  fill: torch.Tensor | None, q_scale: torch.Tensor | None, backward: bool) -> tuple[dict, dict]:
     """(launch config, the kernels' constexpr and launch keywords) for one call on data like x."""
     cfg = _launch_config(geo.total_windows, heads, geo.area, head_dim, x.device, backward=backward,
                          itemsize=x.element_size())
-    keywords = kernel_constants(cfg, geo.window, mask is not None, fill is not None, x.dtype, q_scale is not None)
+    keywords = kernel_constants(cfg, geo.window, masked, fill is not None, x.dtype, q_scale is not None,
+                                _tile_rows(x, heads, head_dim, geo))
     capped = cfg["maxnreg"] and not torch.compiler.is_compiling()
     launch = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if capped else {})}
     return cfg, {**keywords, **launch}
+
+
+def _tile_rows(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry) -> int:
+    """Rows of the bias tiles: the forward makes them and the backward reads them, each with its own query blocks
+    (12x12 windows: 3 x 64 rows forward, 9 x 16 backward), so the more of the two."""
+    return max(cfg["NUM_M"] * cfg["BLOCK_M"] for cfg in (
+        _launch_config(geo.total_windows, heads, geo.area, head_dim, x.device, backward=backward,
+                       itemsize=x.element_size()) for backward in (False, True)))
 
 
 def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
@@ -212,19 +240,42 @@ def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
     return x_dtype if half else torch.float32
 
 
-def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, cfg: dict, dtype: torch.dtype) -> torch.Tensor:
-    """(classes, heads, rows, BLOCK_N + BLOCK_T) tiles (tile_dtype) the attention kernels load: bias plus each
-    class's mask, padded (one small kernel: a single launch, as eager calls are host-bound for small stages)."""
-    heads, area = bias.shape[0], bias.shape[-1]
+def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, window: tuple[int, int], heads: int, cfg: dict,
+                keywords: dict, dtype: torch.dtype) -> torch.Tensor:
+    """(classes, heads, TILE_ROWS, BLOCK_N + BLOCK_T) tiles (tile_dtype) the attention kernels load: bias (dense, or
+    gathered from the relative position table of `window`) plus each class's mask, padded; one small kernel."""
+    area = window[0] * window[1]
     classes = mask.shape[0] if mask is not None else 1
-    cols = cfg["BLOCK_N"] + cfg["BLOCK_T"]
+    rows, cols = keywords["TILE_ROWS"], cfg["BLOCK_N"] + cfg["BLOCK_T"]
+    row_block = min(64, rows & -rows)  # the largest power of two dividing rows
     col_block = cfg["BLOCK_T"] or cfg["BLOCK_N"]  # both powers of two: tail-wide blocks tile the columns
-    tiles = bias.new_empty((classes, heads, cfg["NUM_M"] * cfg["BLOCK_M"], cols), dtype=tile_dtype(dtype))
+    tiles = bias.new_empty((classes, heads, rows, cols), dtype=tile_dtype(dtype))
+    table = bias.dim() == 2
+    strides = (bias.stride(1), bias.stride(0), 0) if table else bias.stride()
     mask_arg = mask.contiguous() if mask is not None else bias  # not read without a mask
-    _launch(bias_tiles_kernel, (classes * heads, cfg["NUM_M"], cols // col_block), bias, *bias.stride(), mask_arg,
-            tiles, area, heads, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=col_block, NUM_M=cfg["NUM_M"], COLS=cols,
-            MASKED=mask is not None)
+    _launch(bias_tiles_kernel, (classes * heads, rows // row_block, cols // col_block), bias, *strides, mask_arg,
+            tiles, area, heads, *window, BLOCK_M=row_block, BLOCK_N=col_block, ROWS=rows, COLS=cols,
+            MASKED=mask is not None, TABLE=table)
     return tiles
+
+
+def _bias_grad(partial: torch.Tensor, bias: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:
+    """The bias gradient (bias's shape and dtype) from the backward programs' (programs, heads, rows, cols) fp32
+    tiles: summed over programs in a fixed order, then, for a relative position table, over each entry's token
+    pairs (two small kernels, deterministic, no atomics)."""
+    sets, heads, rows, cols = partial.shape
+    area = window[0] * window[1]
+    dense = partial.new_empty((heads, area, area))
+    block_n = triton.next_power_of_2(area)
+    block_s = min(triton.next_power_of_2(sets), max(1, 8192 // block_n))
+    _launch(bias_grad_sum_kernel, (heads * area,), partial, dense, sets, heads, area, ROWS=rows, COLS=cols,
+            BLOCK_S=block_s, BLOCK_N=block_n, num_warps=8)
+    if bias.dim() == 3:
+        return dense.to(bias.dtype)
+    grad = torch.empty_like(bias, memory_format=torch.contiguous_format)
+    _launch(bias_table_grad_kernel, (heads, 2 * window[0] - 1), dense, grad, grad.stride(0), grad.stride(1), area,
+            *window, BLOCK_P=block_n, BLOCK_X=triton.next_power_of_2(2 * window[1] - 1))
+    return grad
 
 
 def _report(kernel, cfg: dict) -> None:
@@ -235,33 +286,37 @@ def _report(kernel, cfg: dict) -> None:
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: Strides, out: torch.Tensor,
              so: Strides, heads: int, head_dim: int, bias: torch.Tensor, mask: torch.Tensor | None,
-             fill: torch.Tensor | None, geo: _Geometry, scale: float, q_scale: torch.Tensor | None = None) -> None:
-    """Writes out. q, k, v: the same tensor s_t elements apart (qkv) or separate tensors (s_t = 0).
-    q_scale: None, or (heads,) fp32 for scaled cosine attention (q and k normalised, q times q_scale).
+             fill: torch.Tensor | None, geo: _Geometry, table_window: tuple[int, int], scale: float,
+             q_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Writes out and returns the bias tiles (for the backward). q, k, v: the same tensor s_t elements apart (qkv)
+    or separate tensors (s_t = 0). q_scale: None, or (heads,) fp32 for scaled cosine attention (q and k normalised,
+    q times q_scale). table_window: the window whose relative position table a 2-D bias is.
 
     Every tensor reaches the kernel whole, never as a view: torch.compile then passes the buffers through
     untouched, where a written view (or, through wrap_triton's analysis, a read one) costs a copy."""
-    cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask, fill, q_scale, backward=False)
-    tiles = _bias_tiles(bias, mask, cfg, q.dtype)
+    cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask is not None, fill, q_scale, backward=False)
+    tiles = _bias_tiles(bias, mask, table_window, heads, cfg, keywords, q.dtype)
     kernel = _launch(window_attn_fwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, out, *so,
                      tiles, fill if fill is not None else tiles, q_scale if q_scale is not None else tiles,
                      *geo.ints(), head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
+    return tiles
 
 
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: Strides, do: torch.Tensor,
               sdo: Strides, dqkv: torch.Tensor, sd_t: int, sdq: Strides, heads: int, head_dim: int,
-              bias: torch.Tensor, mask: torch.Tensor | None, fill: torch.Tensor | None, geo: _Geometry,
-              scale: float, q_scale: torch.Tensor | None = None
+              tiles: torch.Tensor, bias: torch.Tensor, fill: torch.Tensor | None, geo: _Geometry,
+              table_window: tuple[int, int], scale: float, q_scale: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Writes dq, dk, dv into dqkv (sd_t elements apart) (of the raw q and k with q_scale); returns (bias
-    gradient, fill gradient or None, q_scale gradient or None)."""
-    cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask, fill, q_scale, backward=True)
-    tiles = _bias_tiles(bias, mask, cfg, q.dtype)
-    # one tile per program; the single-block kernel writes its tile whole at the end, the multi-block one adds
-    # into it window after window
+    gradient, fill gradient or None, q_scale gradient or None). tiles: the forward's bias tiles (4 classes when
+    shifted); bias: the forward's bias (dense or a table), for its gradient's shape and dtype."""
+    cfg, keywords = _launch_plan(q, heads, head_dim, geo, tiles.shape[0] > 1, fill, q_scale, backward=True)
+    # one (rows, cols) tile per program and head; the single-block kernel writes its tile whole at the end, the
+    # multi-block one adds into it window after window
     alloc = torch.empty if cfg["NUM_M"] == 1 else torch.zeros
-    partial = alloc((cfg["sets"], *tiles.shape[1:]), dtype=torch.float32, device=q.device)
+    partial = alloc((cfg["sets"], heads, cfg["NUM_M"] * cfg["BLOCK_M"], tiles.shape[-1]), dtype=torch.float32,
+                    device=q.device)
     dfill = torch.zeros(2, heads, head_dim, dtype=torch.float32, device=q.device) if fill is not None else None
     # one value per program, written by the program: summed here like the bias tiles
     dq_scale = torch.empty(cfg["sets"], heads, dtype=torch.float32, device=q.device) if q_scale is not None else None
@@ -270,9 +325,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
                      q_scale if q_scale is not None else tiles, dq_scale if dq_scale is not None else partial,
                      *geo.ints(), head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
-    # a fixed-order reduction over the programs' tiles (deterministic), cut to (heads, L, L)
-    dbias = partial.sum(0)[:, :geo.area, :geo.area].to(bias.dtype)
-    return (dbias, dfill.to(fill.dtype) if dfill is not None else None,
+    return (_bias_grad(partial, bias, table_window), dfill.to(fill.dtype) if dfill is not None else None,
             dq_scale.sum(0).to(q_scale.dtype) if dq_scale is not None else None)
 
 
@@ -286,39 +339,42 @@ def _window_geometry(windows: int, area: int, grid: list[int]) -> _Geometry:
 
 @_kernel_op("swin::flash_window_attn")
 def _window_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None,
-               grid: list[int], scale: float) -> torch.Tensor:
+               grid: list[int], window: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out, the bias tiles for the backward)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     bw, heads, area, head_dim = q.shape
-    _forward(q, k, v, 0, _window_strides(q), out, _window_strides(out), heads, head_dim, bias, mask, None,
-             _window_geometry(bw, area, grid), scale)
-    return out
+    tiles = _forward(q, k, v, 0, _window_strides(q), out, _window_strides(out), heads, head_dim, bias, mask, None,
+                     _window_geometry(bw, area, grid), tuple(window), scale)
+    return out, tiles
 
 
 @_kernel_op("swin::flash_window_attn_bwd")
-def _window_op_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                   mask: torch.Tensor | None, grid: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _window_op_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: torch.Tensor,
+                   bias: torch.Tensor, grid: list[int], window: list[int], scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv stacked as one (3, *q.shape) tensor, bias gradient)."""
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
     dqkv = q.new_empty((3, *q.shape))
     bw, heads, area, head_dim = q.shape
     dbias, _, _ = _backward(q, k, v, 0, _window_strides(q), grad_out, _window_strides(grad_out), dqkv,
-                            dqkv.stride(0), _window_strides(dqkv), heads, head_dim, bias, mask, None,
-                            _window_geometry(bw, area, grid), scale)
+                            dqkv.stride(0), _window_strides(dqkv), heads, head_dim, tiles, bias, None,
+                            _window_geometry(bw, area, grid), tuple(window), scale)
     return dqkv, dbias
 
 
 def _window_setup(ctx, inputs, output):
-    q, k, v, bias, mask, grid, scale = inputs
-    ctx.save_for_backward(q, k, v, bias, mask)
-    ctx.geometry = (grid, scale)
+    q, k, v, bias, mask, grid, window, scale = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(q, k, v, output[1], bias)
+    ctx.geometry = (grid, window, scale)
 
 
-def _window_grad(ctx, grad_out):
-    q, k, v, bias, mask = ctx.saved_tensors
-    dqkv, dbias = _window_op_bwd(grad_out, q, k, v, bias, mask, *ctx.geometry)
+def _window_grad(ctx, grad_out, _grad_tiles):
+    q, k, v, tiles, bias = ctx.saved_tensors
+    dqkv, dbias = _window_op_bwd(grad_out, q, k, v, tiles, bias, *ctx.geometry)
     dq, dk, dv = dqkv.unbind(0)
-    return dq, dk, dv, dbias, None, None, None
+    return dq, dk, dv, dbias, None, None, None, None
 
 
 _window_op.register_autograd(_window_grad, setup_context=_window_setup)
@@ -326,22 +382,25 @@ _window_op.register_autograd(_window_grad, setup_context=_window_setup)
 
 def flash_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                            mask: torch.Tensor | None = None, grid_size: tuple[int, int] = (1, 1),
-                           scale: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, window_size: tuple[int, int] | None = None) -> torch.Tensor:
     """softmax(scale q k^T + bias + mask) v for windows in window layout.
 
     q, k, v: (B * num_windows, heads, L, head_dim), the windows of each image in row-major order over a
-    grid_size = (windows along H, windows along W) grid. bias: (heads, L, L), differentiable. mask: None
-    or the (4, L, L) masks of interior, last-column, last-row and last windows of that grid.
+    grid_size = (windows along H, windows along W) grid. bias: the dense (heads, L, L) bias, or Swin's
+    ((2wh-1)(2ww-1), heads) relative position table of a window_size = (wh, ww) window, gathered in the kernel;
+    differentiable. mask: None or the (4, L, L) masks of interior, last-column, last-row and last windows of that
+    grid.
     """
     bw, heads, area, head_dim = q.shape
-    _check(q, area, head_dim, heads, bias, mask)
+    _check(q, area, head_dim, heads, bias, mask, window_size)
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must have one shape (B * num_windows, heads, L, head_dim); got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if bw % (grid_size[0] * grid_size[1]):
         raise ValueError(f"{bw} windows is not a multiple of the {grid_size[0]}x{grid_size[1]} windows per image")
     scale = head_dim ** -0.5 if scale is None else float(scale)
-    return _window_op(q, k, v, bias, mask, list(grid_size), scale)
+    window = list(window_size) if window_size is not None else [1, area]
+    return _window_op(q, k, v, bias, mask, list(grid_size), window, scale)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,20 +414,22 @@ def _image_geometry(qkv: torch.Tensor, window: list[int], shift: list[int]) -> _
 
 @_kernel_op("swin::flash_window_attn_image")
 def _image_op(qkv: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None, kv_fill: torch.Tensor | None,
-              q_scale: torch.Tensor | None, window: list[int], shift: list[int], scale: float) -> torch.Tensor:
+              q_scale: torch.Tensor | None, window: list[int], shift: list[int], scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out, the bias tiles for the backward)."""
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     fill = kv_fill.contiguous() if kv_fill is not None else None
     b, h, w, _, heads, hd = qkv.shape
     out = qkv.new_empty((b, h, w, heads, hd))
     # q, k, v are read from the one qkv tensor, qkv.stride(3) elements apart
-    _forward(qkv, qkv, qkv, qkv.stride(3), _image_strides(qkv), out, _image_strides(out), heads, hd,
-             bias, mask, fill, _image_geometry(qkv, window, shift), scale, q_scale)
-    return out
+    tiles = _forward(qkv, qkv, qkv, qkv.stride(3), _image_strides(qkv), out, _image_strides(out), heads, hd,
+                     bias, mask, fill, _image_geometry(qkv, window, shift), tuple(window), scale, q_scale)
+    return out, tiles
 
 
 @_kernel_op("swin::flash_window_attn_image_bwd")
-def _image_op_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None,
+def _image_op_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor,
                   kv_fill: torch.Tensor | None, q_scale: torch.Tensor | None, window: list[int], shift: list[int],
                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if qkv.stride(-1) != 1:
@@ -380,20 +441,22 @@ def _image_op_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor,
     heads, hd = qkv.shape[-2:]
     dbias, dfill, dq_scale = _backward(qkv, qkv, qkv, qkv.stride(3), _image_strides(qkv), grad_out,
                                        _image_strides(grad_out), dqkv, dqkv.stride(3), _image_strides(dqkv), heads,
-                                       hd, bias, mask, fill, _image_geometry(qkv, window, shift), scale, q_scale)
+                                       hd, tiles, bias, fill, _image_geometry(qkv, window, shift), tuple(window),
+                                       scale, q_scale)
     # ops return tensors only; an empty one stands for "no fill" / "no q_scale"
     return dqkv, dbias, qkv.new_empty(0) if dfill is None else dfill, qkv.new_empty(0) if dq_scale is None else dq_scale
 
 
 def _image_setup(ctx, inputs, output):
     qkv, bias, mask, kv_fill, q_scale, window, shift, scale = inputs
-    ctx.save_for_backward(qkv, bias, mask, kv_fill, q_scale)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(qkv, output[1], bias, kv_fill, q_scale)
     ctx.geometry = (window, shift, scale)
 
 
-def _image_grad(ctx, grad_out):
-    qkv, bias, mask, kv_fill, q_scale = ctx.saved_tensors
-    dqkv, dbias, dfill, dq_scale = _image_op_bwd(grad_out, qkv, bias, mask, kv_fill, q_scale, *ctx.geometry)
+def _image_grad(ctx, grad_out, _grad_tiles):
+    qkv, tiles, bias, kv_fill, q_scale = ctx.saved_tensors
+    dqkv, dbias, dfill, dq_scale = _image_op_bwd(grad_out, qkv, tiles, bias, kv_fill, q_scale, *ctx.geometry)
     return (dqkv, dbias, None, dfill if kv_fill is not None else None, dq_scale if q_scale is not None else None,
             None, None, None)
 
@@ -407,16 +470,17 @@ def flash_window_attention_image(qkv: torch.Tensor, bias: torch.Tensor, mask: to
                                  cosine_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Window attention of a Swin block straight from its qkv projection, in image layout.
 
-    qkv: (B, H, W, 3, heads, head_dim), the unshifted, unpadded feature map's projection. bias: (heads, L, L).
-    mask: None (unshifted) or the (4, L, L) masks of interior, last-column, last-row and last windows of the
-    block's padded window grid. qkv_bias: (3, heads, head_dim) or None, the value of q/k/v at padded positions
-    (timm pads before the projection). The window grid is the padded (ceil) one; a cyclic shift of
-    shift_size is undone in the addressing. cosine_scale: None, or (heads,) for Swin V2's scaled cosine attention:
-    q and k (raw, as is qkv_bias) are normalised to unit length in the kernel and q multiplied by cosine_scale
-    (differentiable), usually with scale 1. Returns (B, H, W, heads, head_dim).
+    qkv: (B, H, W, 3, heads, head_dim), the unshifted, unpadded feature map's projection. bias: Swin's
+    ((2wh-1)(2ww-1), heads) relative position table (gathered in the kernel: its index is timm's), or the dense
+    (heads, L, L) bias; differentiable. mask: None (unshifted) or the (4, L, L) masks of interior, last-column,
+    last-row and last windows of the block's padded window grid. qkv_bias: (3, heads, head_dim) or None, the value
+    of q/k/v at padded positions (timm pads before the projection). The window grid is the padded (ceil) one; a
+    cyclic shift of shift_size is undone in the addressing. cosine_scale: None, or (heads,) for Swin V2's scaled
+    cosine attention: q and k (raw, as is qkv_bias) are normalised to unit length in the kernel and q multiplied by
+    cosine_scale (differentiable), usually with scale 1. Returns (B, H, W, heads, head_dim).
     """
     b, h, w, three, heads, head_dim = qkv.shape
-    _check(qkv, window_size[0] * window_size[1], head_dim, heads, bias, mask)
+    _check(qkv, window_size[0] * window_size[1], head_dim, heads, bias, mask, tuple(window_size))
     if three != 3:
         raise ValueError(f"qkv must be (B, H, W, 3, heads, head_dim), got {tuple(qkv.shape)}")
     padded = h % window_size[0] != 0 or w % window_size[1] != 0
@@ -428,4 +492,4 @@ def flash_window_attention_image(qkv: torch.Tensor, bias: torch.Tensor, mask: to
             raise ValueError(f"cosine_scale must be on the device of qkv ({qkv.device}), got {cosine_scale.device}")
         cosine_scale = cosine_scale.reshape(heads).float()
     return _image_op(qkv, bias, mask, fill, cosine_scale, list(window_size), [int(s) for s in shift_size],
-                     float(scale))
+                     float(scale))[0]

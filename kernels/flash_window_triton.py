@@ -108,24 +108,78 @@ def _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, ROWS: tl.constexpr, COLS: 
 
 
 @triton.jit
-def bias_tiles_kernel(bias_ptr, sb_h, sb_m, sb_n, mask_ptr, tiles_ptr, L, NH,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_M: tl.constexpr, COLS: tl.constexpr,
-                      MASKED: tl.constexpr):
-    """tiles[c, h] = bias[h] + mask[c] as a (NUM_M * BLOCK_M, COLS) tile (the tiles' dtype, see tile_dtype;
-    summed in fp32): -inf in the key columns past L (no key there), 0 in the query rows past L (finite rows:
-    nothing of them is stored). Programs: (class, head) x row block x BLOCK_N-wide column block."""
+def _relative_entry(offs_m, offs_n, WH, WW):
+    """(rows, columns) entries of Swin's relative position table for query tokens offs_m and key tokens offs_n of a
+    WH x WW window: (dy + WH - 1) * (2 WW - 1) + dx + WW - 1 for the offset (dy, dx) between them (timm's index)."""
+    dy = (offs_m // WW)[:, None] - (offs_n // WW)[None, :]
+    dx = (offs_m % WW)[:, None] - (offs_n % WW)[None, :]
+    return (dy + WH - 1) * (2 * WW - 1) + dx + WW - 1
+
+
+@triton.jit
+def bias_tiles_kernel(bias_ptr, sb_h, sb_m, sb_n, mask_ptr, tiles_ptr, L, NH, WH, WW,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                      MASKED: tl.constexpr, TABLE: tl.constexpr):
+    """tiles[c, h] = bias[h] + mask[c] as a (ROWS, COLS) tile (the tiles' dtype, see tile_dtype; summed in fp32):
+    -inf in the key columns past L (no key there), 0 in the query rows past L (finite rows: nothing of them is
+    stored). TABLE: bias is Swin's relative position table (entries, heads), element (e, h) at e * sb_m + h * sb_h,
+    gathered here for a WH x WW window; else the dense (heads, L, L) bias. Programs: (class, head) x row block x
+    BLOCK_N-wide column block."""
     pid = tl.program_id(0)
     h = pid % NH
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (offs_m < L)[:, None] & (offs_n < L)[None, :]
-    tile = tl.load(bias_ptr + h * sb_h + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n, mask=ok, other=0.0)
-    tile = tile.to(tl.float32)
+    if TABLE:
+        offsets = _relative_entry(offs_m, offs_n, WH, WW) * sb_m
+    else:
+        offsets = offs_m[:, None] * sb_m + offs_n[None, :] * sb_n
+    tile = tl.load(bias_ptr + h * sb_h + offsets, mask=ok, other=0.0).to(tl.float32)
     if MASKED:
         tile += tl.load(mask_ptr + (pid // NH) * L * L + offs_m[:, None] * L + offs_n[None, :], mask=ok, other=0.0)
     tile = tl.where((offs_n < L)[None, :] | (offs_m >= L)[:, None], tile, float("-inf"))
-    tl.store(tiles_ptr + pid * (NUM_M * BLOCK_M * COLS) + offs_m[:, None] * COLS + offs_n[None, :],
+    tl.store(tiles_ptr + pid * (ROWS * COLS) + offs_m[:, None] * COLS + offs_n[None, :],
              tile.to(tiles_ptr.dtype.element_ty))
+
+
+@triton.jit
+def bias_grad_sum_kernel(partial_ptr, out_ptr, SETS, NH, L, ROWS: tl.constexpr, COLS: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[h, i, :L] = the sum over the backward programs' (SETS, NH, ROWS, COLS) bias-gradient tiles of row i,
+    in a fixed order (deterministic); out is a dense fp32 (NH, L, L). Programs: (head, row)."""
+    pid = tl.program_id(0)
+    h = pid // L
+    i = pid - h * L
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_n = tl.arange(0, BLOCK_N)
+    row = partial_ptr + (h * ROWS + i) * COLS + offs_n[None, :]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(0, SETS, BLOCK_S):
+        sets = s + offs_s
+        tiles = tl.load(row + sets.to(tl.int64)[:, None] * (NH * ROWS * COLS),
+                        mask=(sets < SETS)[:, None] & (offs_n < L)[None, :], other=0.0)
+        acc += tl.sum(tiles, 0)
+    tl.store(out_ptr + pid * L + offs_n, acc, mask=offs_n < L)
+
+
+@triton.jit
+def bias_table_grad_kernel(dense_ptr, out_ptr, so_e, so_h, L, WH, WW, BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr):
+    """The gradient of Swin's relative position table from that of the dense (NH, L, L) fp32 bias: entry (dy, dx)
+    sums the pairs of tokens that far apart (deterministic: one program per head and dy sums its entries' pairs in
+    a fixed order, no atomics). Programs: head x (2 WH - 1) offsets dy; a program's tile is (query token, dx)."""
+    h = tl.program_id(0)
+    row = tl.program_id(1)  # dy + WH - 1
+    offs_p = tl.arange(0, BLOCK_P)  # the query token (y, x)
+    offs_x = tl.arange(0, BLOCK_X)  # dx + WW - 1
+    y = offs_p // WW
+    yk = y - (row - (WH - 1))
+    xk = (offs_p % WW)[:, None] - (offs_x[None, :] - (WW - 1))
+    ok = ((offs_p < L) & (yk >= 0) & (yk < WH))[:, None] & (xk >= 0) & (xk < WW) & (offs_x < 2 * WW - 1)[None, :]
+    key = yk[:, None] * WW + xk
+    grads = tl.load(dense_ptr + (h * L + offs_p[:, None]) * L + key, mask=ok, other=0.0)
+    entry = row * (2 * WW - 1) + offs_x
+    tl.store(out_ptr + entry * so_e + h * so_h, tl.sum(grads, 0).to(out_ptr.dtype.element_ty),
+             mask=offs_x < 2 * WW - 1)
 
 
 @triton.jit
@@ -225,8 +279,8 @@ def window_attn_fwd_kernel(
     G, L, H, W, AGH, AGW, ASH, ASW, MGH, MGW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_M: tl.constexpr, MASKED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr,
-    STAGES: tl.constexpr, HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
+    NUM_M: tl.constexpr, TILE_ROWS: tl.constexpr, MASKED: tl.constexpr, HAS_FILL: tl.constexpr,
+    PRECISION: tl.constexpr, STAGES: tl.constexpr, HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
 ):
     h, first, nsets = _program(NH, HEAD_MINOR)
     scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
@@ -264,9 +318,9 @@ def window_attn_fwd_kernel(
             if COSINE:
                 qf, inv_q = _unit_rows(q)
                 q = (qf * (q_scale * inv_q)[:, None]).to(v.dtype)
-            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, COLS)
+            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, TILE_ROWS, COLS)
             if BLOCK_T > 0:
-                bias_t = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_t, NUM_M * BLOCK_M, COLS)
+                bias_t = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_t, TILE_ROWS, COLS)
                 p, p_t = _softmax_split(q, k, k_t, bias, bias_t, scale, PRECISION)
                 o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 o = tl.dot(p_t.to(v.dtype), v_t, acc=o, input_precision=PRECISION)
@@ -285,8 +339,8 @@ def window_attn_bwd_kernel(
     G, L, H, W, AGH, AGW, ASH, ASW, MGH, MGW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_M: tl.constexpr, MASKED: tl.constexpr, HAS_FILL: tl.constexpr, PRECISION: tl.constexpr,
-    STAGES: tl.constexpr, HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
+    NUM_M: tl.constexpr, TILE_ROWS: tl.constexpr, MASKED: tl.constexpr, HAS_FILL: tl.constexpr,
+    PRECISION: tl.constexpr, STAGES: tl.constexpr, HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
 ):
     h, first, nsets = _program(NH, HEAD_MINOR)
     scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
@@ -344,14 +398,14 @@ def window_attn_bwd_kernel(
                 qf, inv_q = _unit_rows(q)
                 q = (qf * (q_scale * inv_q)[:, None]).to(v.dtype)
             do = tl.load(do_img + _offsets(sy, sx, sdo_y, sdo_x, h, sdo_h, offs_d), mask=io_m, other=0.0)
-            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, NUM_M * BLOCK_M, COLS)
+            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, TILE_ROWS, COLS)
             if NUM_M > 1:  # the program's running bias-gradient rows, loaded early to hide the latency; only the
                 # real (L, L) part: past it ds is 0, and the padded columns would be 44% of a 144-token tile
                 dbias_ptrs = dbias_base + offs_m[:, None] * COLS + offs_n[None, :]
                 dbias_mask = (offs_m[:, None] < L) & (offs_n[None, :] < L)
                 dbias_rows = tl.load(dbias_ptrs, mask=dbias_mask, other=0.0)
             if BLOCK_T > 0:
-                bias_t = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_t, NUM_M * BLOCK_M, COLS)
+                bias_t = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_t, TILE_ROWS, COLS)
                 dbias_ptrs_t = dbias_base + offs_m[:, None] * COLS + offs_t[None, :]
                 dbias_mask_t = (offs_m[:, None] < L) & (offs_t[None, :] < L)
                 dbias_rows_t = tl.load(dbias_ptrs_t, mask=dbias_mask_t, other=0.0)

@@ -8,7 +8,7 @@ on window-layout inputs q, k, v of shape (B * num_windows, heads, L, head_dim):
 * ``sdpa``: timm's fused path: bias and mask added into ONE materialised (B * num_windows, heads, L, L)
   tensor passed as attn_mask to F.scaled_dot_product_attention;
 * ``flash_window``: our Triton kernel (kernels.flash_window.flash_window_attention) as the model calls it: the
-  gathered (heads, L, L) bias and the four mask classes (swin.windows.mask_classes), mask added in-kernel;
+  bias table (gathered into the kernel's bias tiles) and the four mask classes (swin.windows.mask_classes);
 * ``paper``: the Flash Window Attention paper's public kernel where it is importable (FWA_PAPER_PATH), on
   unshifted shapes only (it has no mask).
 
@@ -172,10 +172,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
 
 
 def flash_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, p: Problem) -> torch.Tensor:
-    """Our kernel as the model calls it: dense (heads, L, L) bias gathered from the table, the four mask classes."""
+    """Our kernel as the model calls it: the bias table (gathered in the kernel), the four mask classes."""
     from kernels.flash_window import flash_window_attention
-    return flash_window_attention(q, k, v, gather_bias(table, p)[0], mask_classes(p.mask, p.shape.spec),
-                                  p.shape.grid, p.scale)
+    bias = table if p.cast is None else table.to(p.cast)
+    return flash_window_attention(q, k, v, bias, mask_classes(p.mask, p.shape.spec), p.shape.grid, p.scale,
+                                  window_size=(p.shape.window, p.shape.window))
 
 
 def _paper_kernel():

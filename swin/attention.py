@@ -106,11 +106,12 @@ def sdpa_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor
 
 
 def flash_window_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor:
-    """The Triton flash window attention kernel (kernels/), shift and partition folded in."""
+    """The Triton flash window attention kernel (kernels/), shift and partition folded in. It takes the bias table
+    itself and gathers it with timm's relative index (the one swin.windows.relative_position_index builds)."""
     from kernels.flash_window import flash_window_attention_image
     spec = args.spec
     mask = mask_classes(args.attn_mask, spec)
-    return flash_window_attention_image(qkv, relative_position_bias(args), mask, args.qkv_bias, spec.window_size,
+    return flash_window_attention_image(qkv, args.bias_table, mask, args.qkv_bias, spec.window_size,
                                         spec.shift_size, args.scale, args.cosine_scale)
 
 

@@ -61,15 +61,19 @@ def window_mask(window, shift, grid, device=DEVICE):
     return mask_classes(shifted_window_mask(spec, device), spec)
 
 
-def run_window_op(q, k, v, table, window, shift, grid, scale):
-    return flash_window_attention(q, k, v, dense_bias(table, window), window_mask(window, shift, grid, q.device),
-                                  grid, scale)
+def run_window_op(q, k, v, table, window, shift, grid, scale, dense=False):
+    """The op on the bias table itself (gathered in the kernel, as the model calls it) or, dense=True, on the
+    (heads, L, L) bias gathered here."""
+    mask = window_mask(window, shift, grid, q.device)
+    if dense:
+        return flash_window_attention(q, k, v, dense_bias(table, window), mask, grid, scale)
+    return flash_window_attention(q, k, v, table, mask, grid, scale, window_size=window)
 
 
-def check_window_op(batch, grid, window, shift, heads, head_dim, dtype, device=DEVICE):
+def check_window_op(batch, grid, window, shift, heads, head_dim, dtype, device=DEVICE, dense=False):
     q, k, v, table = make_inputs(batch, grid, window, heads, head_dim, dtype, device)
     scale = head_dim ** -0.5
-    out = run_window_op(q, k, v, table, window, shift, grid, scale)
+    out = run_window_op(q, k, v, table, window, shift, grid, scale, dense)
     grad = torch.randn_like(out)
     out.backward(grad)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, table)]
@@ -99,6 +103,32 @@ CPU_CASES = [
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"w{c[2]}s{c[3]}d{c[5]}{str(c[6])[6:]}")
 def test_window_op_matches_float64(case):
     check_window_op(*case)
+
+
+@pytest.mark.parametrize("case", [CPU_CASES[0], CPU_CASES[5]], ids=["w4x4", "w12x12"])
+def test_window_op_takes_a_dense_bias(case):
+    """A dense (heads, L, L) bias instead of the table: its gradient summed over windows only."""
+    check_window_op(*case, dense=True)
+
+
+def test_table_gradient_sums_each_entrys_token_pairs():
+    """The table gradient kernel against index_add over timm's relative index, for windows square, wide and tall
+    (one program per head and row offset dy, a (query token, dx) tile each)."""
+    from kernels.flash_window import _bias_grad
+    for window in [(7, 7), (3, 5), (5, 2), (1, 4)]:
+        n = window[0] * window[1]
+        dense = torch.randn(3, n, n, device=DEVICE)
+        padded = 1 << (n - 1).bit_length()  # the backward programs' tiles are padded
+        partial = torch.zeros(2, 3, padded, padded, device=DEVICE)
+        partial[0, :, :n, :n] = dense
+        partial[1, :, :n, :n] = 2 * dense
+        table = torch.zeros((2 * window[0] - 1) * (2 * window[1] - 1), 3, device=DEVICE)
+        index = relative_position_index(window, DEVICE).view(-1)
+        expected = torch.zeros_like(table, dtype=torch.float64).index_add_(
+            0, index, 3 * dense.double().permute(1, 2, 0).reshape(n * n, 3))
+        got = _bias_grad(partial, table, window)
+        assert got.shape == table.shape and got.dtype == table.dtype
+        assert (got.double() - expected).abs().max() < 1e-4, window
 
 
 @pytest.mark.parametrize("sets,head_minor", [("0", "1"), ("1", "1"), ("3", "1"), ("3", "0")])
@@ -182,23 +212,25 @@ def image_op_inputs(feat, window, shifted, heads, dtype, table_std=0.5):
     return spec, qkv, qkv_bias, table.requires_grad_()
 
 
-def run_image_op(spec, qkv, qkv_bias, table, scale, cosine_scale=None):
+def run_image_op(spec, qkv, qkv_bias, table, scale, cosine_scale=None, dense=False):
     mask = mask_classes(shifted_window_mask(spec, DEVICE), spec)
-    return flash_window_attention_image(qkv, dense_bias(table, spec.window_size), mask, qkv_bias, spec.window_size,
+    bias = dense_bias(table, spec.window_size) if dense else table
+    return flash_window_attention_image(qkv, bias, mask, qkv_bias, spec.window_size,
                                         spec.shift_size, scale, cosine_scale)
 
 
-@pytest.mark.parametrize("feat,window,shifted,dtype", [
-    ((10, 13), (4, 5), True, torch.float32),   # padded on both axes, shifted
-    ((14, 20), (12, 12), False, torch.float32),  # 144-token windows (keys as 128 + 16), padded keys in both blocks
-    ((10, 13), (4, 5), False, torch.float32),  # padded, unshifted: padded keys/values (qkv bias) are attended
-    ((8, 8), (4, 4), True, torch.float16),     # exact multiple
+@pytest.mark.parametrize("feat,window,shifted,dtype,dense", [
+    ((10, 13), (4, 5), True, torch.float32, False),   # padded on both axes, shifted
+    ((14, 20), (12, 12), False, torch.float32, False),  # 144-token windows (keys as 128 + 16), padded keys in both
+    ((10, 13), (4, 5), False, torch.float32, False),  # padded, unshifted: padded keys/values (qkv bias) are attended
+    ((8, 8), (4, 4), True, torch.float16, False),     # exact multiple
+    ((10, 13), (4, 5), True, torch.float32, True),    # a dense (heads, L, L) bias instead of the table
 ])
-def test_image_op_matches_partitioned_reference(feat, window, shifted, dtype):
+def test_image_op_matches_partitioned_reference(feat, window, shifted, dtype, dense):
     """Fused shift/pad/partition: same numbers as roll + pad + partition + attention (float64)."""
     spec, qkv, qkv_bias, table = image_op_inputs(feat, window, shifted, 2, dtype)
     scale = 16 ** -0.5
-    out = run_image_op(spec, qkv, qkv_bias, table, scale)
+    out = run_image_op(spec, qkv, qkv_bias, table, scale, dense=dense)
     grad = torch.randn_like(out)
     out.backward(grad)
     leaves = [t.detach().double().requires_grad_() for t in (qkv, table, qkv_bias)]
@@ -345,13 +377,14 @@ _ACCESS_PROBE = textwrap.dedent("""
         return sorted(tkw.identify_mutated_tensors(kernel, kwargs, {}))
     qkv = torch.randn(2, 9, 10, 3, 2, 16)
     bias, mask, fill = torch.randn(2, 49, 49), torch.randn(4, 49, 49), torch.randn(2, 2, 16)
-    fw._image_op(qkv, bias, mask, fill, None, [7, 7], [3, 3], 0.25)
-    fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, bias, mask, fill, None, [7, 7], [3, 3], 0.25)
-    fw._image_op(qkv, bias, mask, fill, torch.rand(2), [7, 7], [3, 3], 1.0)
-    fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, bias, mask, fill, torch.rand(2), [7, 7], [3, 3], 1.0)
+    table, tiles = torch.randn(169, 2), torch.randn(4, 2, 64, 64)
+    fw._image_op(qkv, table, mask, fill, None, [7, 7], [3, 3], 0.25)
+    fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, tiles, table, fill, None, [7, 7], [3, 3], 0.25)
+    fw._image_op(qkv, table, mask, fill, torch.rand(2), [7, 7], [3, 3], 1.0)
+    fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, tiles, table, fill, torch.rand(2), [7, 7], [3, 3], 1.0)
     q = torch.randn(8, 2, 49, 16)
-    fw._window_op(q, q, q, bias, mask, [2, 2], 0.25)
-    fw._window_op_bwd(q, q, q, q, bias, mask, [2, 2], 0.25)
+    fw._window_op(q, q, q, bias, mask, [2, 2], [1, 49], 0.25)
+    fw._window_op_bwd(q, q, q, q, tiles, bias, [2, 2], [1, 49], 0.25)
     json.dump([[kernel.__name__, written(kernel, kwargs)] for kernel, kwargs in launches], sys.stdout)
 """)
 
@@ -372,8 +405,9 @@ def test_compile_sees_kernels_write_only_their_outputs():
     backward_image = ("window_attn_bwd_kernel", ["dbias_ptr", "dfill_ptr", "dqkv_ptr"])
     backward_window = ("window_attn_bwd_kernel", ["dbias_ptr", "dqkv_ptr"])
     backward_cosine = ("window_attn_bwd_kernel", ["dbias_ptr", "dfill_ptr", "dqkv_ptr", "dqs_ptr"])
-    assert launches == [tiles, forward, tiles, backward_image, tiles, forward, tiles, backward_cosine, tiles,
-                        forward, tiles, backward_window]
+    summed, table_grad = ("bias_grad_sum_kernel", ["out_ptr"]), ("bias_table_grad_kernel", ["out_ptr"])
+    assert launches == [tiles, forward, backward_image, summed, table_grad, tiles, forward, backward_cosine, summed,
+                        table_grad, tiles, forward, backward_window, summed]
 
 
 # (window, head_dim, dtype) of every launch configuration the GPU tests below and the Swin models use
@@ -499,20 +533,24 @@ def test_opcheck():
     q, k, v, table = make_inputs(1, (2, 2), (4, 4), 2, 16, torch.float32)
     bias = dense_bias(table, (4, 4)).detach()
     mask = window_mask((4, 4), (2, 2), (2, 2))
-    torch.library.opcheck(torch.ops.swin.flash_window_attn.default,
-                          (q.detach(), k.detach(), v.detach(), bias, mask, [2, 2], 0.25),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    for b, window in ((bias, [1, 16]), (table.detach(), [4, 4])):
+        torch.library.opcheck(torch.ops.swin.flash_window_attn.default,
+                              (q.detach(), k.detach(), v.detach(), b, mask, [2, 2], window, 0.25),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     spec = WindowSpec((6, 7), (4, 4), (2, 2))
     qkv = torch.randn(1, 6, 7, 3, 2, 16, device=DEVICE)
     fill = torch.randn(2, 2, 16, device=DEVICE)
     mask = mask_classes(shifted_window_mask(spec, DEVICE), spec)
+    table = table.detach()
     for cosine_scale, scale in ((None, 0.25), ((torch.rand(2, device=DEVICE) + 1).requires_grad_(), 1.0)):
-        inputs = (qkv.requires_grad_(), bias.requires_grad_(), mask, fill.requires_grad_(), cosine_scale)
+        inputs = (qkv.requires_grad_(), table.requires_grad_(), mask, fill.requires_grad_(), cosine_scale)
         torch.library.opcheck(torch.ops.swin.flash_window_attn_image.default, (*inputs, [4, 4], [2, 2], scale),
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+        tiles = torch.ops.swin.flash_window_attn_image.default(*inputs, [4, 4], [2, 2], scale)[1]
         grad_out = torch.randn(1, 6, 7, 2, 16, device=DEVICE)
+        detached = [t.detach() if t is not None else None for t in inputs]
         torch.library.opcheck(torch.ops.swin.flash_window_attn_image_bwd.default,
-                              (grad_out, *(t.detach() if t is not None else None for t in inputs), [4, 4], [2, 2],
+                              (grad_out, detached[0], tiles.detach(), *detached[1:2], *detached[3:], [4, 4], [2, 2],
                                scale), test_utils=("test_schema", "test_faketensor"))
     assert spec.padded
 
@@ -520,8 +558,12 @@ def test_opcheck():
 def test_bad_inputs_raise_clear_errors():
     q, k, v, table = make_inputs(1, (1, 1), (4, 4), 2, 16, torch.float32)
     bias = dense_bias(table, (4, 4))
-    with pytest.raises(ValueError, match=r"bias must be \(heads, L, L\) = \(2, 16, 16\)"):
+    with pytest.raises(ValueError, match=r"bias must be the dense \(heads, L, L\) = \(2, 16, 16\) bias"):
         flash_window_attention(q, k, v, bias[:1])
+    with pytest.raises(ValueError, match=r"give window_size \(wh, ww\) with wh \* ww = L = 16"):
+        flash_window_attention(q, k, v, table)
+    with pytest.raises(ValueError, match=r"4x4 window must be \(\(2wh-1\)\(2ww-1\), heads\) = \(49, 2\)"):
+        flash_window_attention(q, k, v, table[:, :1], window_size=(4, 4))
     with pytest.raises(ValueError, match="mask must be None or the"):
         flash_window_attention(q, k, v, bias, torch.zeros(2, 16, 16, device=DEVICE))
     with pytest.raises(ValueError, match="not a multiple"):
