@@ -7,7 +7,7 @@ into its generated code, instead of calling back into this Python glue on every 
 compiled training step host-bound). Under the Triton interpreter (CPU) they are opaque custom ops
 instead (see ``kernels.ops.kernel_op``), so compiled models still compute the right numbers there:
 
-* ``flash_window_attention(q, k, v, bias, mask, grid_size, scale)``: window layout, q/k/v of shape
+* ``flash_window_attention(q, k, v, bias, mask, grid_size, scale, window_size)``: window layout, q/k/v of shape
   (B * num_windows, heads, L, head_dim), windows of each image in row-major order over a grid_size
   window grid (what timm's window_partition produces);
 * ``flash_window_attention_image(qkv, bias, mask, qkv_bias, window_size, shift_size, scale, cosine_scale)``:
@@ -19,9 +19,9 @@ instead (see ``kernels.ops.kernel_op``), so compiled models still compute the ri
 Both take plain tensors and sizes (the window geometry and the mask are the model's business, in ``swin/``):
 ``bias`` is Swin's ((2wh-1)(2ww-1), heads) relative position table (differentiable; the kernel that makes the
 bias tiles gathers it with timm's relative index) or a dense (heads, L, L) additive bias, ``mask`` None or the
-(4, L, L) additive masks of the four window classes of a shifted block: interior windows, windows of the last
-column of the image's window grid, of the last row, and the last window (Swin's shifted-window mask depends on
-nothing else). The forward makes the bias-plus-mask tiles once and hands them to the backward.
+(num_windows, L, L) additive shifted-window mask of an image's window grid (timm's ``attn_mask``). The kernels
+read only four of its windows: Swin's shifted-window mask depends on nothing but whether a window lies in the last
+row and/or column of the grid. The forward makes the bias-plus-mask tiles once and hands them to the backward.
 
 The bias gets its gradient in fp32: each backward program sums the score gradients of its windows on chip and
 writes one tile per head; two small kernels sum the tiles and then each table entry's token pairs (deterministic,
@@ -49,7 +49,6 @@ from .ops import launch as _launch
 MAX_WINDOW_AREA = 256   # the L x L score tile must fit on chip (16 x 16 windows)
 MAX_HEAD_DIM = 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MASK_CLASSES = 4        # interior, last column, last row, last window
 
 
 def unsupported_reason(x: torch.Tensor, window_area: int, head_dim: int) -> str | None:
@@ -71,7 +70,7 @@ def unsupported_reason(x: torch.Tensor, window_area: int, head_dim: int) -> str 
 
 
 def _check(x: torch.Tensor, area: int, head_dim: int, heads: int, bias: torch.Tensor, mask: torch.Tensor | None,
-           window: tuple[int, int] | None) -> None:
+           window: tuple[int, int] | None, grid: tuple[int, int]) -> None:
     reason = unsupported_reason(x, area, head_dim)
     if reason is not None:
         raise ValueError(reason)
@@ -86,9 +85,9 @@ def _check(x: torch.Tensor, area: int, head_dim: int, heads: int, bias: torch.Te
     elif bias.shape != (heads, area, area):
         raise ValueError(f"bias must be the dense (heads, L, L) = ({heads}, {area}, {area}) bias or a relative "
                          f"position table, got {tuple(bias.shape)}")
-    if mask is not None and mask.shape != (MASK_CLASSES, area, area):
-        raise ValueError(f"mask must be None or the ({MASK_CLASSES}, {area}, {area}) masks of interior, last-column, "
-                         f"last-row and last windows, got {tuple(mask.shape)}")
+    if mask is not None and mask.shape != (grid[0] * grid[1], area, area):
+        raise ValueError(f"mask must be None or the (windows per image, L, L) = ({grid[0] * grid[1]}, {area}, {area}) "
+                         f"shifted-window mask of the {grid[0]}x{grid[1]} window grid, got {tuple(mask.shape)}")
     if any(t is not None and t.device != x.device for t in (bias, mask)):
         raise ValueError(f"bias and mask must be on the device of the inputs ({x.device})")
     if mask is not None and mask.requires_grad:
@@ -240,12 +239,13 @@ def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
     return x_dtype if half else torch.float32
 
 
-def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, window: tuple[int, int], heads: int, cfg: dict,
-                keywords: dict, dtype: torch.dtype) -> torch.Tensor:
+def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, window: tuple[int, int], geo: _Geometry, heads: int,
+                cfg: dict, keywords: dict, dtype: torch.dtype) -> torch.Tensor:
     """(classes, heads, TILE_ROWS, BLOCK_N + BLOCK_T) tiles (tile_dtype) the attention kernels load: bias (dense, or
-    gathered from the relative position table of `window`) plus each class's mask, padded; one small kernel."""
+    gathered from the relative position table of `window`) plus the mask of each class's window (4 classes: interior,
+    last column, last row, last window; 1 without a mask), padded; one small kernel."""
     area = window[0] * window[1]
-    classes = mask.shape[0] if mask is not None else 1
+    classes = 4 if mask is not None else 1
     rows, cols = keywords["TILE_ROWS"], cfg["BLOCK_N"] + cfg["BLOCK_T"]
     row_block = min(64, rows & -rows)  # the largest power of two dividing rows
     col_block = cfg["BLOCK_T"] or cfg["BLOCK_N"]  # both powers of two: tail-wide blocks tile the columns
@@ -254,7 +254,7 @@ def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, window: tuple[int
     strides = (bias.stride(1), bias.stride(0), 0) if table else bias.stride()
     mask_arg = mask.contiguous() if mask is not None else bias  # not read without a mask
     _launch(bias_tiles_kernel, (classes * heads, rows // row_block, cols // col_block), bias, *strides, mask_arg,
-            tiles, area, heads, *window, BLOCK_M=row_block, BLOCK_N=col_block, ROWS=rows, COLS=cols,
+            tiles, area, heads, *window, *geo.mask_grid, BLOCK_M=row_block, BLOCK_N=col_block, ROWS=rows, COLS=cols,
             MASKED=mask is not None, TABLE=table)
     return tiles
 
@@ -295,7 +295,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: St
     Every tensor reaches the kernel whole, never as a view: torch.compile then passes the buffers through
     untouched, where a written view (or, through wrap_triton's analysis, a read one) costs a copy."""
     cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask is not None, fill, q_scale, backward=False)
-    tiles = _bias_tiles(bias, mask, table_window, heads, cfg, keywords, q.dtype)
+    tiles = _bias_tiles(bias, mask, table_window, geo, heads, cfg, keywords, q.dtype)
     kernel = _launch(window_attn_fwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, out, *so,
                      tiles, fill if fill is not None else tiles, q_scale if q_scale is not None else tiles,
                      *geo.ints(), head_dim, heads, scale, **keywords)
@@ -388,11 +388,10 @@ def flash_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bi
     q, k, v: (B * num_windows, heads, L, head_dim), the windows of each image in row-major order over a
     grid_size = (windows along H, windows along W) grid. bias: the dense (heads, L, L) bias, or Swin's
     ((2wh-1)(2ww-1), heads) relative position table of a window_size = (wh, ww) window, gathered in the kernel;
-    differentiable. mask: None or the (4, L, L) masks of interior, last-column, last-row and last windows of that
-    grid.
+    differentiable. mask: None or the (num_windows, L, L) shifted-window mask of that grid (timm's attn_mask).
     """
     bw, heads, area, head_dim = q.shape
-    _check(q, area, head_dim, heads, bias, mask, window_size)
+    _check(q, area, head_dim, heads, bias, mask, window_size, tuple(grid_size))
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must have one shape (B * num_windows, heads, L, head_dim); got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -472,15 +471,16 @@ def flash_window_attention_image(qkv: torch.Tensor, bias: torch.Tensor, mask: to
 
     qkv: (B, H, W, 3, heads, head_dim), the unshifted, unpadded feature map's projection. bias: Swin's
     ((2wh-1)(2ww-1), heads) relative position table (gathered in the kernel: its index is timm's), or the dense
-    (heads, L, L) bias; differentiable. mask: None (unshifted) or the (4, L, L) masks of interior, last-column,
-    last-row and last windows of the block's padded window grid. qkv_bias: (3, heads, head_dim) or None, the value
+    (heads, L, L) bias; differentiable. mask: None (unshifted) or the (num_windows, L, L) shifted-window mask of the
+    block's padded window grid (timm's attn_mask). qkv_bias: (3, heads, head_dim) or None, the value
     of q/k/v at padded positions (timm pads before the projection). The window grid is the padded (ceil) one; a
     cyclic shift of shift_size is undone in the addressing. cosine_scale: None, or (heads,) for Swin V2's scaled
     cosine attention: q and k (raw, as is qkv_bias) are normalised to unit length in the kernel and q multiplied by
     cosine_scale (differentiable), usually with scale 1. Returns (B, H, W, heads, head_dim).
     """
     b, h, w, three, heads, head_dim = qkv.shape
-    _check(qkv, window_size[0] * window_size[1], head_dim, heads, bias, mask, tuple(window_size))
+    grid = (-(-h // window_size[0]), -(-w // window_size[1]))
+    _check(qkv, window_size[0] * window_size[1], head_dim, heads, bias, mask, tuple(window_size), grid)
     if three != 3:
         raise ValueError(f"qkv must be (B, H, W, 3, heads, head_dim), got {tuple(qkv.shape)}")
     padded = h % window_size[0] != 0 or w % window_size[1] != 0

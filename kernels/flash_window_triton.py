@@ -8,12 +8,12 @@ window's token (r, c) is found by undoing the block's cyclic shift and padding i
 arithmetic, so no roll / pad / partition copies exist around the kernel. The window layout
 (B * num_windows, heads, L, head_dim) is the special case of images of one 1 x L window each.
 
-B is the dense (heads, L, L) bias plus the additive mask of the window's class: Swin's shifted-window mask
-depends only on whether a window lies in the last row and/or the last column of its image's window grid,
-so four (L, L) masks cover it. bias_tiles_kernel adds them into one padded tile per (class, head) (in the input's
-half dtype, fp32 for fp32 inputs or with the HALF_BIAS=0 knob); the attention kernels pick the class from the
-window's grid position and load its tile (L2-resident): no per-element region arithmetic, and a shifted block
-costs about what an unshifted one does.
+B is the (heads, L, L) bias (gathered from Swin's relative position table, or given dense) plus the additive mask
+of the window's class: Swin's shifted-window mask depends only on whether a window lies in the last row and/or the
+last column of its image's window grid, so four (L, L) masks cover it. bias_tiles_kernel adds them into one padded
+tile per (class, head) (in the input's half dtype, fp32 for fp32 inputs or with the HALF_BIAS=0 knob); the attention
+kernels pick the class from the window's grid position and load its tile (L2-resident): no per-element region
+arithmetic, and a shifted block costs about what an unshifted one does. The backward reads the forward's tiles.
 
 Windows of several query blocks take their keys in two blocks where that pads less than one power-of-two tile
 (BLOCK_T > 0): 144 tokens (12x12) as 128 + 16 keys, not 256 (of which 112 were padding in every product, exp and
@@ -26,7 +26,8 @@ gradient per program (a (programs,) buffer the caller sums), so the normalisatio
 
 Programs take one head and a strided set of windows each (one window each in the forward by default).
 The backward sums the bias gradient of its windows on chip and writes it once per program (a small
-(programs, heads, rows, BLOCK_N + BLOCK_T) buffer, summed by the caller): no atomics per window and element.
+(programs, heads, rows, BLOCK_N + BLOCK_T) buffer): bias_grad_sum_kernel sums it over programs and
+bias_table_grad_kernel each table entry's token pairs, in a fixed order (no atomics per window and element).
 """
 import triton
 import triton.language as tl
@@ -117,14 +118,15 @@ def _relative_entry(offs_m, offs_n, WH, WW):
 
 
 @triton.jit
-def bias_tiles_kernel(bias_ptr, sb_h, sb_m, sb_n, mask_ptr, tiles_ptr, L, NH, WH, WW,
+def bias_tiles_kernel(bias_ptr, sb_h, sb_m, sb_n, mask_ptr, tiles_ptr, L, NH, WH, WW, MGH, MGW,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                       MASKED: tl.constexpr, TABLE: tl.constexpr):
-    """tiles[c, h] = bias[h] + mask[c] as a (ROWS, COLS) tile (the tiles' dtype, see tile_dtype; summed in fp32):
-    -inf in the key columns past L (no key there), 0 in the query rows past L (finite rows: nothing of them is
-    stored). TABLE: bias is Swin's relative position table (entries, heads), element (e, h) at e * sb_m + h * sb_h,
-    gathered here for a WH x WW window; else the dense (heads, L, L) bias. Programs: (class, head) x row block x
-    BLOCK_N-wide column block."""
+    """tiles[c, h] = bias[h] + the mask of a class-c window as a (ROWS, COLS) tile (the tiles' dtype, see tile_dtype;
+    summed in fp32): -inf in the key columns past L (no key there), 0 in the query rows past L (finite rows: nothing
+    of them is stored). TABLE: bias is Swin's relative position table (entries, heads), element (e, h) at
+    e * sb_m + h * sb_h, gathered here for a WH x WW window; else the dense (heads, L, L) bias. mask: the (MGH * MGW,
+    L, L) mask of a window grid, of which class c (see _mask_class) reads the grid's first window with its last-row
+    and last-column flags. Programs: (class, head) x row block x BLOCK_N-wide column block."""
     pid = tl.program_id(0)
     h = pid % NH
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -136,7 +138,9 @@ def bias_tiles_kernel(bias_ptr, sb_h, sb_m, sb_n, mask_ptr, tiles_ptr, L, NH, WH
         offsets = offs_m[:, None] * sb_m + offs_n[None, :] * sb_n
     tile = tl.load(bias_ptr + h * sb_h + offsets, mask=ok, other=0.0).to(tl.float32)
     if MASKED:
-        tile += tl.load(mask_ptr + (pid // NH) * L * L + offs_m[:, None] * L + offs_n[None, :], mask=ok, other=0.0)
+        cls = pid // NH
+        window = (cls // 2) * (MGH - 1) * MGW + (cls % 2) * (MGW - 1)
+        tile += tl.load(mask_ptr + window * L * L + offs_m[:, None] * L + offs_n[None, :], mask=ok, other=0.0)
     tile = tl.where((offs_n < L)[None, :] | (offs_m >= L)[:, None], tile, float("-inf"))
     tl.store(tiles_ptr + pid * (ROWS * COLS) + offs_m[:, None] * COLS + offs_n[None, :],
              tile.to(tiles_ptr.dtype.element_ty))

@@ -8,7 +8,7 @@ on window-layout inputs q, k, v of shape (B * num_windows, heads, L, head_dim):
 * ``sdpa``: timm's fused path: bias and mask added into ONE materialised (B * num_windows, heads, L, L)
   tensor passed as attn_mask to F.scaled_dot_product_attention;
 * ``flash_window``: our Triton kernel (kernels.flash_window.flash_window_attention) as the model calls it: the
-  bias table (gathered into the kernel's bias tiles) and the four mask classes (swin.windows.mask_classes);
+  bias table and the (num_windows, L, L) mask, of which the kernel reads the four class windows;
 * ``paper``: the Flash Window Attention paper's public kernel where it is importable (FWA_PAPER_PATH), on
   unshifted shapes only (it has no mask).
 
@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 
-from swin.windows import WindowSpec, mask_classes, relative_position_index, shifted_window_mask  # noqa: E402
+from swin.windows import WindowSpec, relative_position_index, shifted_window_mask  # noqa: E402
 
 BACKEND_NAMES = ("standard", "sdpa", "flash_window", "paper")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -175,7 +175,7 @@ def flash_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch
     """Our kernel as the model calls it: the bias table (gathered in the kernel), the four mask classes."""
     from kernels.flash_window import flash_window_attention
     bias = table if p.cast is None else table.to(p.cast)
-    return flash_window_attention(q, k, v, bias, mask_classes(p.mask, p.shape.spec), p.shape.grid, p.scale,
+    return flash_window_attention(q, k, v, bias, p.mask, p.shape.grid, p.scale,
                                   window_size=(p.shape.window, p.shape.window))
 
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .windows import WindowSpec, mask_classes, merge_unpad_unshift, shift_pad_partition
+from .windows import WindowSpec, merge_unpad_unshift, shift_pad_partition
 
 
 class WindowAttentionArgs(NamedTuple):
@@ -107,11 +107,11 @@ def sdpa_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor
 
 def flash_window_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor:
     """The Triton flash window attention kernel (kernels/), shift and partition folded in. It takes the bias table
-    itself and gathers it with timm's relative index (the one swin.windows.relative_position_index builds)."""
+    itself and gathers it with timm's relative index (the one swin.windows.relative_position_index builds), and reads
+    only the four windows of the shifted-window mask that stand for all the others."""
     from kernels.flash_window import flash_window_attention_image
     spec = args.spec
-    mask = mask_classes(args.attn_mask, spec)
-    return flash_window_attention_image(qkv, args.bias_table, mask, args.qkv_bias, spec.window_size,
+    return flash_window_attention_image(qkv, args.bias_table, args.attn_mask, args.qkv_bias, spec.window_size,
                                         spec.shift_size, args.scale, args.cosine_scale)
 
 

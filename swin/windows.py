@@ -114,20 +114,6 @@ def shifted_window_mask(
     return torch.zeros(different.shape, device=device, dtype=dtype).masked_fill_(different, MASK_VALUE)
 
 
-def mask_classes(mask: torch.Tensor | None, spec: WindowSpec) -> torch.Tensor | None:
-    """(4, L, L) masks of an interior window, a window of the last column, of the last row and the last window.
-
-    The shifted-window mask of a window depends only on whether it lies in the last row and/or column of
-    the window grid (the regions differ only there), so these four stand for all of `mask`
-    (num_windows, L, L): what the flash kernel takes. None when unshifted.
-    """
-    if mask is None:
-        return None
-    gh, gw = spec.grid_size
-    # slices, not an index list: a list index is copied to the device on every call (a host sync in eager mode)
-    return torch.stack([mask[0], mask[gw - 1], mask[(gh - 1) * gw], mask[gh * gw - 1]])
-
-
 def window_partition(x: torch.Tensor, window_size: tuple[int, int]) -> torch.Tensor:
     """(B, Hp, Wp, ...) -> (B * num_windows, Wh * Ww, ...), windows in row-major image order."""
     b, hp, wp = x.shape[:3]

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import swin
 from kernels.flash_window import _launch_config, flash_window_attention, flash_window_attention_image
 from swin.attention import WindowAttentionArgs, standard_attention
-from swin.windows import WindowSpec, mask_classes, relative_position_index, shifted_window_mask
+from swin.windows import WindowSpec, relative_position_index, shifted_window_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -56,9 +56,9 @@ def dense_bias(table, window):
 
 
 def window_mask(window, shift, grid, device=DEVICE):
-    """The kernel's (4, L, L) mask classes of a shifted block (None unshifted)."""
+    """The (num_windows, L, L) mask of a shifted block's window grid (None unshifted)."""
     spec = WindowSpec((grid[0] * window[0], grid[1] * window[1]), window, shift)
-    return mask_classes(shifted_window_mask(spec, device), spec)
+    return shifted_window_mask(spec, device)
 
 
 def run_window_op(q, k, v, table, window, shift, grid, scale, dense=False):
@@ -143,16 +143,18 @@ def test_window_op_programs_loop_over_windows(sets, head_minor, monkeypatch):
     check_window_op(2, (2, 3), (4, 4), (2, 2), 2, 16, torch.float32)
 
 
-def test_mask_classes_stand_for_every_window():
-    """The kernel's four mask classes reproduce the shifted-window mask of every window of a grid."""
+def test_four_windows_of_a_grid_stand_for_every_windows_mask():
+    """What the bias-tile kernel relies on: the shifted-window mask of every window of a grid equals that of the
+    first window of its class (interior: window 0, last column, last row, last window)."""
     for feat, window, shift in [((28, 28), (7, 7), (3, 3)), ((10, 13), (4, 5), (2, 2)), ((4, 12), (4, 4), (0, 2)),
                                 ((7, 7), (7, 7), (3, 3)), ((24, 8), (4, 4), (2, 2))]:
         spec = WindowSpec(feat, window, shift)
-        mask, classes = shifted_window_mask(spec), mask_classes(shifted_window_mask(spec), spec)
+        mask = shifted_window_mask(spec)
         gh, gw = spec.grid_size
         for w in range(gh * gw):
-            cls = 2 * (w // gw == gh - 1) + (w % gw == gw - 1)
-            assert torch.equal(mask[w], classes[cls]), (feat, window, shift, w)
+            last_row, last_col = w // gw == gh - 1, w % gw == gw - 1
+            first_of_class = last_row * (gh - 1) * gw + last_col * (gw - 1)
+            assert torch.equal(mask[w], mask[first_of_class]), (feat, window, shift, w)
         assert (mask != 0).any()
 
 
@@ -213,7 +215,7 @@ def image_op_inputs(feat, window, shifted, heads, dtype, table_std=0.5):
 
 
 def run_image_op(spec, qkv, qkv_bias, table, scale, cosine_scale=None, dense=False):
-    mask = mask_classes(shifted_window_mask(spec, DEVICE), spec)
+    mask = shifted_window_mask(spec, DEVICE)
     bias = dense_bias(table, spec.window_size) if dense else table
     return flash_window_attention_image(qkv, bias, mask, qkv_bias, spec.window_size,
                                         spec.shift_size, scale, cosine_scale)
@@ -226,7 +228,7 @@ def run_image_op(spec, qkv, qkv_bias, table, scale, cosine_scale=None, dense=Fal
     ((8, 8), (4, 4), True, torch.float16, False),     # exact multiple
     ((10, 13), (4, 5), True, torch.float32, True),    # a dense (heads, L, L) bias instead of the table
 ])
-def test_image_op_matches_partitioned_reference(feat, window, shifted, dtype, dense):
+def test_image_op_matches_partitioned_reference(feat, window, shifted, dtype, dense=False):
     """Fused shift/pad/partition: same numbers as roll + pad + partition + attention (float64)."""
     spec, qkv, qkv_bias, table = image_op_inputs(feat, window, shifted, 2, dtype)
     scale = 16 ** -0.5
@@ -540,7 +542,7 @@ def test_opcheck():
     spec = WindowSpec((6, 7), (4, 4), (2, 2))
     qkv = torch.randn(1, 6, 7, 3, 2, 16, device=DEVICE)
     fill = torch.randn(2, 2, 16, device=DEVICE)
-    mask = mask_classes(shifted_window_mask(spec, DEVICE), spec)
+    mask = shifted_window_mask(spec, DEVICE)
     table = table.detach()
     for cosine_scale, scale in ((None, 0.25), ((torch.rand(2, device=DEVICE) + 1).requires_grad_(), 1.0)):
         inputs = (qkv.requires_grad_(), table.requires_grad_(), mask, fill.requires_grad_(), cosine_scale)
