@@ -139,10 +139,19 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
         per_sm = _tuning("PROGRAMS_PER_SM", (32 if num_m == 1 else 0) if cuda else 4)
     budget = _num_sms(device.index or 0) * per_sm // heads if cuda else per_sm
     sets = total_windows if per_sm == 0 else max(1, min(total_windows, budget))
-    # the forward's next-window loads pipelined through shared memory: one-block windows of tiles up to 32 KB
-    # (a 128-token fp32 window of head_dim 128 would need 311 KB of shared memory)
+    # the next windows' loads pipelined through shared memory (one-block windows; H100, bf16, head_dim 32,
+    # docs/benchmarks.md): the forward's next window for tiles up to 32 KB (a 128-token fp32 window of head_dim 128
+    # would need 311 KB of shared memory), the next two for tiles up to 8 KB where a program has 4 windows or more
+    # (Swin-T stage 1: 113 -> 110 us; fewer windows: slower); the backward's next two for tiles up to 8 KB (Swin-T
+    # stage 1: 290 -> 204 us)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    stages = 2 if (num_m == 1 and not backward and block_n * block_d * itemsize <= 32768) else 1
+    tile_bytes = block_n * block_d * itemsize
+    if num_m > 1:
+        stages = 1
+    elif backward:
+        stages = 3 if tile_bytes <= 8192 else 1
+    else:
+        stages = 1 if tile_bytes > 32768 else (3 if total_windows >= 4 * sets and tile_bytes <= 8192 else 2)
     # the backward of windows over 128 tokens: 8 warps for one padded tile, fp32 or wide heads (measured on the H100:
     # 10x10 and 12x12 windows), 4 for 16-bit keys split in two (12x12, bf16, head_dim 32: 2 programs of 253 registers
     # per SM, 25% faster)
@@ -247,7 +256,7 @@ def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, window: tuple[int
     area = window[0] * window[1]
     classes = 4 if mask is not None else 1
     rows, cols = keywords["TILE_ROWS"], cfg["BLOCK_N"] + cfg["BLOCK_T"]
-    row_block = min(64, rows & -rows)  # the largest power of two dividing rows
+    row_block = min(16, rows & -rows)  # a power of two dividing rows; 16-row blocks: 4x the programs of 64
     col_block = cfg["BLOCK_T"] or cfg["BLOCK_N"]  # both powers of two: tail-wide blocks tile the columns
     tiles = bias.new_empty((classes, heads, rows, cols), dtype=tile_dtype(dtype))
     table = bias.dim() == 2

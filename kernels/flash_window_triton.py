@@ -257,22 +257,23 @@ def _softmax_split(q, k, k_t, bias, bias_t, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _store_key_grads(dk, dv, k_raw, inv_k, scale, dk_ptr, dv_ptr, img_off, sy, sx, s_y, s_x, s_h, h, offs_d, HD,
-                     inwin, real, dfill_k, dfill_v, HAS_FILL: tl.constexpr, COSINE: tl.constexpr):
-    """Stores a key block's dk (times scale; of the raw k with COSINE) and dv; returns the fill gradients with the
-    block's padded tokens added (they hold the qkv bias). inv_k: the keys' inverse norms with COSINE, else unused."""
+def _store_rows(x, ptr, img_off, sy, sx, s_y, s_x, s_h, h, offs_d, HD, inwin, real, dfill, HAS_FILL: tl.constexpr):
+    """Stores a block's gradient rows x (its real tokens); returns dfill plus the rows of its padded tokens (they
+    hold the qkv bias)."""
+    offs = _offsets(sy, sx, s_y, s_x, h, s_h, offs_d)
+    tl.store(ptr + img_off + offs, x.to(ptr.dtype.element_ty), mask=_io_mask(real, offs_d, HD))
+    if HAS_FILL:
+        dfill += tl.sum(tl.where((inwin & (real == 0))[:, None], x, 0.0), 0)
+    return dfill
+
+
+@triton.jit
+def _key_grad(dk, k_raw, inv_k, scale, COSINE: tl.constexpr):
+    """dk times scale; of the raw k with COSINE (inv_k: the keys' inverse norms, else unused)."""
     dk = dk * scale
     if COSINE:
         dk, _dots = _unnormalise_grad(dk, k_raw.to(tl.float32), inv_k, 1.0)
-    offs = _offsets(sy, sx, s_y, s_x, h, s_h, offs_d)
-    io = _io_mask(real, offs_d, HD)
-    tl.store(dk_ptr + img_off + offs, dk.to(dk_ptr.dtype.element_ty), mask=io)
-    tl.store(dv_ptr + img_off + offs, dv.to(dv_ptr.dtype.element_ty), mask=io)
-    if HAS_FILL:
-        pad = (inwin & (real == 0))[:, None]
-        dfill_k += tl.sum(tl.where(pad, dk, 0.0), 0)
-        dfill_v += tl.sum(tl.where(pad, dv, 0.0), 0)
-    return dfill_k, dfill_v
+    return dk
 
 
 @triton.jit
@@ -392,7 +393,8 @@ def window_attn_bwd_kernel(
                 k_raw_t = k_t
                 k_t, inv_k_t = _unit_keys(k_t)
         dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-        dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+        if NUM_M > 1:
+            dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         for mb in range(NUM_M):
             offs_m, sy, sx, real_m = _query_rows(g, mb, offs_n, sy_n, sx_n, real_n, L, H, W, WH, WW, AGH, AGW, ASH,
                                                  ASW, BLOCK_M, NUM_M)
@@ -418,7 +420,13 @@ def window_attn_bwd_kernel(
                 dp_t = tl.dot(do, tl.trans(v_t), input_precision=PRECISION)
             else:
                 p = _softmax(q, k, bias, scale, PRECISION)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            if NUM_M == 1:  # one query block: dv is whole here; stored at once, it is not live beside
+                # p, dp and the bias-gradient sum
+                dfill_v = _store_rows(tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION), dv_ptr,
+                                      b * sdq_b, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_n, real_n,
+                                      dfill_v, HAS_FILL)
+            else:
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             delta = tl.sum(p * dp, 1)
             if BLOCK_T > 0:
@@ -445,13 +453,19 @@ def window_attn_bwd_kernel(
                 # the next window's load may give an element to another thread than the one that stored it (the
                 # load's and the sum's layouts differ): a CTA barrier makes every store visible to the whole block
                 tl.debug_barrier()
-        dfill_k, dfill_v = _store_key_grads(dk, dv, k_raw if COSINE else k, inv_k if COSINE else scale, scale, dk_ptr,
-                                            dv_ptr, b * sdq_b, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_n,
-                                            real_n, dfill_k, dfill_v, HAS_FILL, COSINE)
+        img_off = b * sdq_b
+        dk = _key_grad(dk, k_raw if COSINE else k, inv_k if COSINE else scale, scale, COSINE)
+        dfill_k = _store_rows(dk, dk_ptr, img_off, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_n, real_n,
+                              dfill_k, HAS_FILL)
+        if NUM_M > 1:
+            dfill_v = _store_rows(dv, dv_ptr, img_off, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_n, real_n,
+                                  dfill_v, HAS_FILL)
         if BLOCK_T > 0:
-            dfill_k, dfill_v = _store_key_grads(dk_t, dv_t, k_raw_t if COSINE else k_t, inv_k_t if COSINE else scale,
-                                                scale, dk_ptr, dv_ptr, b * sdq_b, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h,
-                                                offs_d, HD, inwin_t, real_t, dfill_k, dfill_v, HAS_FILL, COSINE)
+            dk_t = _key_grad(dk_t, k_raw_t if COSINE else k_t, inv_k_t if COSINE else scale, scale, COSINE)
+            dfill_k = _store_rows(dk_t, dk_ptr, img_off, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_t,
+                                  real_t, dfill_k, HAS_FILL)
+            dfill_v = _store_rows(dv_t, dv_ptr, img_off, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_t,
+                                  real_t, dfill_v, HAS_FILL)
     if NUM_M == 1:
         tl.store(dbias_base + offs_n[:, None] * COLS + offs_n[None, :], dbias_acc)
     if COSINE:
