@@ -74,8 +74,10 @@ def _check(x: torch.Tensor, area: int, head_dim: int, heads: int, bias: torch.Te
     reason = unsupported_reason(x, area, head_dim)
     if reason is not None:
         raise ValueError(reason)
+    if window is not None and window[0] * window[1] != area:
+        raise ValueError(f"window_size {window[0]}x{window[1]} does not hold the L = {area} tokens of a window")
     if bias.dim() == 2:
-        if window is None or window[0] * window[1] != area:
+        if window is None:
             raise ValueError(f"a 2-D bias is the relative position table of a window: give window_size (wh, ww) with "
                              f"wh * ww = L = {area}, or pass the dense (heads, L, L) bias")
         entries = (2 * window[0] - 1) * (2 * window[1] - 1)
@@ -127,11 +129,12 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     block_m = min(block_n, _tuning("BWD_BLOCK_M" if backward else "BLOCK_M", block_m))
     num_m = triton.cdiv(window_area, block_m)
     assert num_m > 1 or not block_t, "split keys need query blocks of their own (the one-block path reuses the keys)"
-    # forward, one-block windows: 32 programs per SM, each looping over windows with the next window's loads
-    # pipelined (STAGES=2); several query blocks: one program per window and head (0). Backward: 4 programs
-    # per SM (2 for split keys), each looping over windows, as each writes a bias-gradient tile the caller sums
-    # (H100, bf16 with head_dim 32, scripts/tune_flash_window.py, docs/benchmarks.md). The interpreter (CPU) runs
-    # programs one after the other: 4 programs per head (2 with split keys) keep tests quick.
+    # forward, one-block windows: 32 programs per SM, each looping over windows with the next windows' loads
+    # pipelined (STAGES below); several query blocks: one program per window and head (0). Backward: 4 programs
+    # per SM (2 for split keys), each looping over windows, as each writes a bias-gradient tile that
+    # bias_grad_sum_kernel sums (H100, bf16 with head_dim 32, scripts/tune_flash_window.py, docs/benchmarks.md).
+    # The interpreter (CPU) runs programs one after the other: 4 programs per head (2 with split keys) keep tests
+    # quick.
     cuda = device.type == "cuda"
     if backward:
         per_sm = _tuning("BWD_PROGRAMS_PER_SM", 2 if block_t else 4)
@@ -167,11 +170,11 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
 
 
 def kernel_constants(cfg: dict, window: tuple[int, int], masked: bool, has_fill: bool, dtype: torch.dtype,
-                     cosine: bool = False, tile_rows: int = 0) -> dict:
-    """The kernels' constexpr arguments for a launch config (also used by scripts/kernel_resources.py); tile_rows:
-    those of the bias tiles (see _tile_rows; default the config's own query rows)."""
+                     cosine: bool = False, rows: int = 0) -> dict:
+    """The kernels' constexpr arguments for a launch config (also used by scripts/kernel_resources.py); rows: those
+    of the bias tiles (see tile_rows; default the config's own query rows)."""
     tiling = {k: v for k, v in cfg.items() if k not in ("sets", "num_warps", "maxnreg")}
-    tiling["TILE_ROWS"] = tile_rows or cfg["NUM_M"] * cfg["BLOCK_M"]
+    tiling["TILE_ROWS"] = rows or cfg["NUM_M"] * cfg["BLOCK_M"]
     # fp32: three tf32 products per product (about fp32 accuracy on tensor cores) for key tiles of up to 4608
     # elements (64 x 64, or 12x12 windows' 128 + 16 keys of 32 channels: 2.2x faster forward+backward than exact
     # FMAs on the H100); larger ones do not fit in shared memory that way on sm_90 (10x10 windows of head_dim 128:
@@ -220,23 +223,25 @@ class _Geometry:
 
 
 def _launch_plan(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry, masked: bool,
-                 fill: torch.Tensor | None, q_scale: torch.Tensor | None, backward: bool) -> tuple[dict, dict]:
-    """(launch config, the kernels' constexpr and launch keywords) for one call on data like x."""
+                 fill: torch.Tensor | None, q_scale: torch.Tensor | None, backward: bool,
+                 rows: int) -> tuple[dict, dict]:
+    """(launch config, the kernels' constexpr and launch keywords) for one call on data like x, whose bias tiles
+    have `rows` rows."""
     cfg = _launch_config(geo.total_windows, heads, geo.area, head_dim, x.device, backward=backward,
                          itemsize=x.element_size())
-    keywords = kernel_constants(cfg, geo.window, masked, fill is not None, x.dtype, q_scale is not None,
-                                _tile_rows(x, heads, head_dim, geo))
+    keywords = kernel_constants(cfg, geo.window, masked, fill is not None, x.dtype, q_scale is not None, rows)
     capped = cfg["maxnreg"] and not torch.compiler.is_compiling()
     launch = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if capped else {})}
     return cfg, {**keywords, **launch}
 
 
-def _tile_rows(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry) -> int:
-    """Rows of the bias tiles: the forward makes them and the backward reads them, each with its own query blocks
-    (12x12 windows: 3 x 64 rows forward, 9 x 16 backward), so the more of the two."""
+def tile_rows(total_windows: int, heads: int, window_area: int, head_dim: int, device: torch.device,
+              itemsize: int) -> int:
+    """Rows of the bias tiles: the forward makes them and the backward reads them (tiles.shape[2]), each with its own
+    query blocks (12x12 windows: 3 x 64 rows forward, 9 x 16 backward), so the more of the two."""
     return max(cfg["NUM_M"] * cfg["BLOCK_M"] for cfg in (
-        _launch_config(geo.total_windows, heads, geo.area, head_dim, x.device, backward=backward,
-                       itemsize=x.element_size()) for backward in (False, True)))
+        _launch_config(total_windows, heads, window_area, head_dim, device, backward=backward, itemsize=itemsize)
+        for backward in (False, True)))
 
 
 def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
@@ -303,7 +308,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: St
 
     Every tensor reaches the kernel whole, never as a view: torch.compile then passes the buffers through
     untouched, where a written view (or, through wrap_triton's analysis, a read one) costs a copy."""
-    cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask is not None, fill, q_scale, backward=False)
+    rows = tile_rows(geo.total_windows, heads, geo.area, head_dim, q.device, q.element_size())
+    cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask is not None, fill, q_scale, False, rows)
     tiles = _bias_tiles(bias, mask, table_window, geo, heads, cfg, keywords, q.dtype)
     kernel = _launch(window_attn_fwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, out, *so,
                      tiles, fill if fill is not None else tiles, q_scale if q_scale is not None else tiles,
@@ -320,14 +326,14 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
     """Writes dq, dk, dv into dqkv (sd_t elements apart) (of the raw q and k with q_scale); returns (bias
     gradient, fill gradient or None, q_scale gradient or None). tiles: the forward's bias tiles (4 classes when
     shifted); bias: the forward's bias (dense or a table), for its gradient's shape and dtype."""
-    cfg, keywords = _launch_plan(q, heads, head_dim, geo, tiles.shape[0] > 1, fill, q_scale, backward=True)
+    cfg, keywords = _launch_plan(q, heads, head_dim, geo, tiles.shape[0] > 1, fill, q_scale, True, tiles.shape[2])
     # one (rows, cols) tile per program and head; the single-block kernel writes its tile whole at the end, the
     # multi-block one adds into it window after window
     alloc = torch.empty if cfg["NUM_M"] == 1 else torch.zeros
     partial = alloc((cfg["sets"], heads, cfg["NUM_M"] * cfg["BLOCK_M"], tiles.shape[-1]), dtype=torch.float32,
                     device=q.device)
     dfill = torch.zeros(2, heads, head_dim, dtype=torch.float32, device=q.device) if fill is not None else None
-    # one value per program, written by the program: summed here like the bias tiles
+    # one value per program, written by the program: summed here
     dq_scale = torch.empty(cfg["sets"], heads, dtype=torch.float32, device=q.device) if q_scale is not None else None
     kernel = _launch(window_attn_bwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, do, *sdo, dqkv, sd_t, *sdq,
                      tiles, fill if fill is not None else tiles, partial, dfill if dfill is not None else partial,

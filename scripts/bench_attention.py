@@ -172,7 +172,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
 
 
 def flash_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, p: Problem) -> torch.Tensor:
-    """Our kernel as the model calls it: the bias table (gathered in the kernel), the four mask classes."""
+    """Our kernel as the model calls it: the bias table (gathered in the kernel) and the shifted-window mask."""
     from kernels.flash_window import flash_window_attention
     bias = table if p.cast is None else table.to(p.cast)
     return flash_window_attention(q, k, v, bias, p.mask, p.shape.grid, p.scale,

@@ -29,7 +29,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.flash_window import _launch_config, kernel_constants, tile_dtype  # noqa: E402
+from kernels.flash_window import _launch_config, kernel_constants, tile_dtype, tile_rows  # noqa: E402
 from kernels.flash_window_triton import window_attn_bwd_kernel, window_attn_fwd_kernel  # noqa: E402
 
 HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
@@ -78,8 +78,9 @@ def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool,
     for fn, backward in ((window_attn_fwd_kernel, False), (window_attn_bwd_kernel, True)):
         cfg = _launch_config(1024, 4, window[0] * window[1], head_dim, torch.device("cpu"), backward=backward,
                              itemsize=itemsize)
+        bias_rows = tile_rows(1024, 4, window[0] * window[1], head_dim, torch.device("cpu"), itemsize)
         constants = kernel_constants(cfg, window, shifted, False, torch.float32 if dtype == "fp32" else torch.bfloat16,
-                                     cosine)
+                                     cosine, bias_rows)
         signature = _signature(fn, constants, data_ptr)
         # as on the device for Swin shapes: pointers and strides are multiples of 16, head_dim where it is
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)

@@ -97,6 +97,7 @@ CPU_CASES = [
     (1, (2, 2), (12, 12), (6, 6), 1, 32, torch.float32),  # 144 tokens: several query blocks, keys as 128 + 16
     (1, (2, 2), (8, 9), (4, 4), 2, 16, torch.float16),    # 72 tokens: keys as 64 + 16, 8 of them padding
     (1, (1, 2), (4, 4), (0, 2), 2, 16, torch.float32),    # shift along W only (H was clamped)
+    (1, (2, 2), (5, 3), (2, 1), 2, 16, torch.float32),    # a tall window: the table's rows and columns not alike
 ]
 
 
@@ -568,6 +569,8 @@ def test_bad_inputs_raise_clear_errors():
         flash_window_attention(q, k, v, bias[:1])
     with pytest.raises(ValueError, match=r"give window_size \(wh, ww\) with wh \* ww = L = 16"):
         flash_window_attention(q, k, v, table)
+    with pytest.raises(ValueError, match=r"window_size 2x4 does not hold the L = 16 tokens"):
+        flash_window_attention(q, k, v, bias, window_size=(2, 4))
     with pytest.raises(ValueError, match=r"4x4 window must be \(\(2wh-1\)\(2ww-1\), heads\) = \(49, 2\)"):
         flash_window_attention(q, k, v, table[:, :1], window_size=(4, 4))
     with pytest.raises(ValueError, match="mask must be None or the"):
