@@ -163,7 +163,7 @@ def crop_resize_packed(pixels: torch.Tensor, shapes: np.ndarray, boxes: np.ndarr
     block_w = triton.next_power_of_2(out_w)
     block_r = max(1, 4096 // block_w)
     launch_direct(crop_resize_rows_kernel, (n * 3, triton.cdiv(int(h.max()), block_r)), pixels, meta_t, rows, out_w,
-           BLOCK_R=block_r, BLOCK_W=block_w, CHANNELS_LAST=channels_last)
+                  BLOCK_R=block_r, BLOCK_W=block_w, CHANNELS_LAST=channels_last)
     launch_direct(crop_resize_cols_kernel, (n * 3, triton.cdiv(out_h, block_r)), rows, meta_t, out, out_h, out_w,
-           BLOCK_I=block_r, BLOCK_W=block_w)
+                  BLOCK_I=block_r, BLOCK_W=block_w)
     return out

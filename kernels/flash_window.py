@@ -224,11 +224,13 @@ class _Geometry:
 
 def _launch_plan(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry, masked: bool,
                  fill: torch.Tensor | None, q_scale: torch.Tensor | None, backward: bool,
-                 rows: int) -> tuple[dict, dict]:
+                 rows: int | None) -> tuple[dict, dict]:
     """(launch config, the kernels' constexpr and launch keywords) for one call on data like x, whose bias tiles
-    have `rows` rows."""
+    have `rows` rows (None: the forward, which makes them, sizes them with tile_rows)."""
     cfg = _launch_config(geo.total_windows, heads, geo.area, head_dim, x.device, backward=backward,
                          itemsize=x.element_size())
+    if rows is None:
+        rows = tile_rows(geo.total_windows, heads, geo.area, head_dim, x.device, x.element_size(), forward=cfg)
     keywords = kernel_constants(cfg, geo.window, masked, fill is not None, x.dtype, q_scale is not None, rows)
     capped = cfg["maxnreg"] and not torch.compiler.is_compiling()
     launch = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if capped else {})}
@@ -236,12 +238,13 @@ def _launch_plan(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry, mas
 
 
 def tile_rows(total_windows: int, heads: int, window_area: int, head_dim: int, device: torch.device,
-              itemsize: int) -> int:
+              itemsize: int, forward: dict | None = None) -> int:
     """Rows of the bias tiles: the forward makes them and the backward reads them (tiles.shape[2]), each with its own
-    query blocks (12x12 windows: 3 x 64 rows forward, 9 x 16 backward), so the more of the two."""
-    return max(cfg["NUM_M"] * cfg["BLOCK_M"] for cfg in (
-        _launch_config(total_windows, heads, window_area, head_dim, device, backward=backward, itemsize=itemsize)
-        for backward in (False, True)))
+    query blocks (12x12 windows: 3 x 64 rows forward, 9 x 16 backward), so the more of the two. forward: the
+    forward's launch config, where the caller has it."""
+    configs = [forward or _launch_config(total_windows, heads, window_area, head_dim, device, itemsize=itemsize),
+               _launch_config(total_windows, heads, window_area, head_dim, device, backward=True, itemsize=itemsize)]
+    return max(cfg["NUM_M"] * cfg["BLOCK_M"] for cfg in configs)
 
 
 def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
@@ -308,8 +311,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: St
 
     Every tensor reaches the kernel whole, never as a view: torch.compile then passes the buffers through
     untouched, where a written view (or, through wrap_triton's analysis, a read one) costs a copy."""
-    rows = tile_rows(geo.total_windows, heads, geo.area, head_dim, q.device, q.element_size())
-    cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask is not None, fill, q_scale, False, rows)
+    cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask is not None, fill, q_scale, False, None)
     tiles = _bias_tiles(bias, mask, table_window, geo, heads, cfg, keywords, q.dtype)
     kernel = _launch(window_attn_fwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, out, *so,
                      tiles, fill if fill is not None else tiles, q_scale if q_scale is not None else tiles,
