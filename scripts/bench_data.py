@@ -138,7 +138,7 @@ def loader_row(cfg: DictConfig, root: Path, device: torch.device, decode: str, n
             next(batches)
         sync()
         t0, images, count = time.perf_counter(), 0, 0
-        while count < 4 or time.perf_counter() - t0 < cfg.loader.seconds:
+        while count < cfg.loader.min_batches or time.perf_counter() - t0 < cfg.loader.seconds:
             try:
                 x, _, _ = next(batches)
             except StopIteration:  # a short folder: start another epoch
@@ -160,10 +160,10 @@ def loader_row(cfg: DictConfig, root: Path, device: torch.device, decode: str, n
     return row
 
 
-def train_row(cfg: DictConfig, root: Path, out_dir: Path, name: str, timeout: float) -> dict[str, Any]:
-    """train.py end to end (subprocess); the last epoch's img/s and data-wait fraction from summary.json."""
+def train_args(cfg: DictConfig, root: Path, run_dir: Path, name: str) -> list[str]:
+    """train.py's arguments for the train row `name` (a DECODE_KINDS key or "synthetic"), the worker count last for
+    folder rows. The synthetic row's recipe is composed by train.py itself (synthetic_recipe)."""
     t = cfg.train
-    run_dir = runs_dir(cfg, out_dir) / f"train_{name}"
     args = [*t.args, f"model={cfg.model.name}", f"train.batch_size={cfg.batch_size}", f"train.epochs={t.epochs}",
             f"train.compile={str(bool(t.compile)).lower()}", f"seed={cfg.seed}", f"device={cfg.device}",
             f"hydra.run.dir={run_dir}"]
@@ -179,6 +179,13 @@ def train_row(cfg: DictConfig, root: Path, out_dir: Path, name: str, timeout: fl
         args += [f"data.root={root}", f"data.decode={keys['decode']}", f"data.augment={keys['augment'] or 'null'}",
                  f"data.gpu_decode_thread={str(keys['gpu_decode_thread']).lower()}",
                  f"data.num_workers={workers(count)}"]
+    return args
+
+
+def train_row(cfg: DictConfig, root: Path, out_dir: Path, name: str, timeout: float) -> dict[str, Any]:
+    """train.py end to end (subprocess); the last epoch's img/s and data-wait fraction from summary.json."""
+    run_dir = runs_dir(cfg, out_dir) / f"train_{name}"
+    args = train_args(cfg, root, run_dir, name)
     row = {"kind": "train", "name": name, "workers": None if name == "synthetic" else int(args[-1].split("=")[1]),
            "args": args, "run_dir": str(run_dir)}
     row.update(_run([sys.executable, str(ROOT / "train.py"), *args], timeout))

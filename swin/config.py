@@ -264,6 +264,7 @@ class LoaderBenchConfig:
     gpu_augment_workers: Any = MISSING  # data.augment=gpu rows: workers decoding on the CPU
     warmup_batches: int = MISSING
     seconds: float = MISSING
+    min_batches: int = MISSING  # timed batches at least, whatever `seconds` says
 
 
 @dataclass

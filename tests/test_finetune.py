@@ -18,13 +18,35 @@ import swin.config  # noqa: F401  (registers the config schemas before compose)
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _command(tmp_path: Path, name: str, overrides: tuple[str, ...]) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), *overrides, "logger.wandb.mode=disabled", "logger.progress=false",
+            f"hydra.run.dir={tmp_path / name}"]
+
+
+def _summary(tmp_path: Path, name: str) -> dict:
+    return json.loads((tmp_path / name / "summary.json").read_text())
+
+
 def _train(tmp_path: Path, name: str, *overrides: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides, "logger.wandb.mode=disabled",
-                        "logger.progress=false", f"hydra.run.dir={tmp_path / name}"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(_command(tmp_path, name, overrides), cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return json.loads((tmp_path / name / "summary.json").read_text())
+    return _summary(tmp_path, name)
+
+
+def _train_pairs(tmp_path: Path, runs: list[tuple[str, tuple[str, ...]]]) -> dict[str, dict]:
+    """Runs two train.py processes at a time, one CPU thread each (small models: two processes on two cores finish
+    sooner than one on both); {name: summary}."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    for i in range(0, len(runs), 2):
+        procs = [(name, subprocess.Popen(_command(tmp_path, name, overrides), cwd=tmp_path, env=env,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                 for name, overrides in runs[i:i + 2]]
+        for name, proc in procs:
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, name + ":\n" + out[-2000:] + err[-3000:]
+    return {name: _summary(tmp_path, name) for name, _ in runs}
 
 
 def test_finetune_config_is_the_official_recipe():
@@ -68,11 +90,13 @@ def test_pretrained_beats_scratch(tmp_path):
     best = tmp_path / "pre" / "checkpoints" / "best.pt"
     # 40 updates on 100 images are noisy (one pair of runs differed by -3 to +31 points over seeds): compare the
     # means of three seeds, each seed shared by the fine-tuned run and its from-scratch twin
-    fine, scratch = [], []
+    runs = []
     for k in range(1, 4):
-        fine.append(_train(tmp_path, f"fine{k}", *schedule, f"seed={seed + k}", f"model.pretrained={best}"))
-        scratch.append(_train(tmp_path, f"scratch{k}", *schedule, f"seed={seed + k}",
-                              "train.require_pretrained=false"))  # same recipe, no weights
+        runs += [(f"fine{k}", (*schedule, f"seed={seed + k}", f"model.pretrained={best}")),
+                 (f"scratch{k}", (*schedule, f"seed={seed + k}", "train.require_pretrained=false"))]  # no weights
+    done = _train_pairs(tmp_path, runs)
+    fine = [done[f"fine{k}"] for k in range(1, 4)]
+    scratch = [done[f"scratch{k}"] for k in range(1, 4)]
     fine_top1 = sum(r["final_top1"] for r in fine) / 3
     scratch_top1 = sum(r["final_top1"] for r in scratch) / 3
     print(f"pretrain top1 {pre['best_top1']:.1f}; fine-tuned {fine_top1:.1f} vs scratch {scratch_top1:.1f} "

@@ -30,11 +30,13 @@ CASES = [
 
 def randomised(model: torch.nn.Module) -> torch.nn.Module:
     """timm's V2 init zeroes the post-norms (every block is the identity) and the q/v biases; random values
-    make each block, bias and logit scale count. Some logit scales lie above the clamp at log(100)."""
+    make each block, bias and logit scale count. Some logit scales lie above the clamp at log(100), never a block's
+    first head (the clamp's gradient is 0: a block whose every head lay above it had no logit-scale gradient)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "logit_scale" in name:
                 p.copy_(math.log(10.0) + 1.5 * torch.randn_like(p))
+                p[0].clamp_(max=math.log(100.0) - 0.5)
             elif "norm" in name and name.endswith("weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif p.ndim == 1:
