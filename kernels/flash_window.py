@@ -42,6 +42,7 @@ from .flash_window_triton import (
     window_attn_bwd_kernel,
     window_attn_fwd_kernel,
 )
+from .ops import eager_launch as _eager_launch
 from .ops import interpreting as _interpreting
 from .ops import kernel_op as _kernel_op
 from .ops import launch as _launch
@@ -99,6 +100,11 @@ def _check(x: torch.Tensor, area: int, head_dim: int, heads: int, bias: torch.Te
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _major_capability(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def _tuning(name: str, default: int) -> int:
@@ -163,7 +169,7 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     return dict(sets=sets, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d,
                 NUM_M=num_m, num_warps=_tuning("BWD_WARPS" if backward else "WARPS", default_warps),
                 # a register cap per thread (0: none), for more programs per SM at the price of spills: a tuning knob
-                # of eager calls (torch.compile's wrap_triton does not pass maxnreg to the launch: ignored there)
+                # of eager calls (not passed where torch.compile traces the op, see kernels.ops.eager_launch)
                 maxnreg=_tuning("BWD_MAXNREG" if backward else "MAXNREG", 0),
                 STAGES=_tuning("BWD_STAGES" if backward else "STAGES", stages),
                 HEAD_MINOR=_tuning("BWD_HEAD_MINOR" if backward else "HEAD_MINOR", 1))
@@ -232,7 +238,7 @@ def _launch_plan(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry, mas
     if rows is None:
         rows = tile_rows(geo.total_windows, heads, geo.area, head_dim, x.device, x.element_size(), forward=cfg)
     keywords = kernel_constants(cfg, geo.window, masked, fill is not None, x.dtype, q_scale is not None, rows)
-    capped = cfg["maxnreg"] and not torch.compiler.is_compiling()
+    capped = cfg["maxnreg"] and _eager_launch(x)
     launch = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if capped else {})}
     return cfg, {**keywords, **launch}
 
@@ -256,11 +262,21 @@ def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
     return x_dtype if half else torch.float32
 
 
+def _dependent_launch(x: torch.Tensor) -> bool:
+    """Whether the forward launches as a programmatic dependent of the tile kernel (PDL, Hopper and later): its
+    launch then overlaps the tile kernel instead of waiting for it to finish (eager calls: ~1 us of the forward at
+    every Swin-T stage shape on the H100). Not where torch.compile traces the op: wrap_triton's analysis of what a
+    kernel writes cannot read the wait instruction (and would copy the kernel's inputs). SWIN_FW_PDL=0: off."""
+    return (x.is_cuda and not _interpreting() and _eager_launch(x) and _tuning("PDL", 1) == 1
+            and _major_capability(x.device.index or 0) >= 9)
+
+
 def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, window: tuple[int, int], geo: _Geometry, heads: int,
-                cfg: dict, keywords: dict, dtype: torch.dtype) -> torch.Tensor:
+                cfg: dict, keywords: dict, dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
     """(classes, heads, TILE_ROWS, BLOCK_N + BLOCK_T) tiles (tile_dtype) the attention kernels load: bias (dense, or
     gathered from the relative position table of `window`) plus the mask of each class's window (4 classes: interior,
-    last column, last row, last window; 1 without a mask), padded; one small kernel."""
+    last column, last row, last window; 1 without a mask), padded; one small kernel. pdl: the next launch is its
+    programmatic dependent (_dependent_launch)."""
     area = window[0] * window[1]
     classes = 4 if mask is not None else 1
     rows, cols = keywords["TILE_ROWS"], cfg["BLOCK_N"] + cfg["BLOCK_T"]
@@ -272,7 +288,7 @@ def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, window: tuple[int
     mask_arg = mask.contiguous() if mask is not None else bias  # not read without a mask
     _launch(bias_tiles_kernel, (classes * heads, rows // row_block, cols // col_block), bias, *strides, mask_arg,
             tiles, area, heads, *window, *geo.mask_grid, BLOCK_M=row_block, BLOCK_N=col_block, ROWS=rows, COLS=cols,
-            MASKED=mask is not None, TABLE=table)
+            MASKED=mask is not None, TABLE=table, PDL=pdl)
     return tiles
 
 
@@ -312,10 +328,11 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: St
     Every tensor reaches the kernel whole, never as a view: torch.compile then passes the buffers through
     untouched, where a written view (or, through wrap_triton's analysis, a read one) costs a copy."""
     cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask is not None, fill, q_scale, False, None)
-    tiles = _bias_tiles(bias, mask, table_window, geo, heads, cfg, keywords, q.dtype)
+    pdl = _dependent_launch(q)
+    tiles = _bias_tiles(bias, mask, table_window, geo, heads, cfg, keywords, q.dtype, pdl)
     kernel = _launch(window_attn_fwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, out, *so,
                      tiles, fill if fill is not None else tiles, q_scale if q_scale is not None else tiles,
-                     *geo.ints(), head_dim, heads, scale, **keywords)
+                     *geo.ints(), head_dim, heads, scale, **keywords, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     _report(kernel, cfg)
     return tiles
 

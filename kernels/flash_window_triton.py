@@ -31,6 +31,7 @@ bias_table_grad_kernel each table entry's token pairs, in a fixed order (no atom
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -120,13 +121,17 @@ def _relative_entry(offs_m, offs_n, WH, WW):
 @triton.jit
 def bias_tiles_kernel(bias_ptr, sb_h, sb_m, sb_n, mask_ptr, tiles_ptr, L, NH, WH, WW, MGH, MGW,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                      MASKED: tl.constexpr, TABLE: tl.constexpr):
+                      MASKED: tl.constexpr, TABLE: tl.constexpr, PDL: tl.constexpr):
     """tiles[c, h] = bias[h] + the mask of a class-c window as a (ROWS, COLS) tile (the tiles' dtype, see tile_dtype;
     summed in fp32): -inf in the key columns past L (no key there), 0 in the query rows past L (finite rows: nothing
     of them is stored). TABLE: bias is Swin's relative position table (entries, heads), element (e, h) at
     e * sb_m + h * sb_h, gathered here for a WH x WW window; else the dense (heads, L, L) bias. mask: the (MGH * MGW,
     L, L) mask of a window grid, of which class c (see _mask_class) reads the grid's first window with its last-row
-    and last-column flags. Programs: (class, head) x row block x BLOCK_N-wide column block."""
+    and last-column flags. Programs: (class, head) x row block x BLOCK_N-wide column block. PDL: the attention
+    forward, launched as this kernel's programmatic dependent (Hopper), may start at once (it waits for the tiles
+    where it needs them)."""
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     h = pid % NH
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -286,7 +291,12 @@ def window_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_M: tl.constexpr, TILE_ROWS: tl.constexpr, MASKED: tl.constexpr, HAS_FILL: tl.constexpr,
     PRECISION: tl.constexpr, STAGES: tl.constexpr, HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """PDL: launched as a programmatic dependent of bias_tiles_kernel (Hopper): the launch overlaps the tile kernel
+    and the programs wait for its tiles here."""
+    if PDL:
+        gdc_wait()
     h, first, nsets = _program(NH, HEAD_MINOR)
     scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
     if COSINE:

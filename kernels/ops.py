@@ -13,6 +13,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def eager_launch(x: torch.Tensor) -> bool:
+    """Whether a launch on data like x runs now, eagerly, rather than being traced by torch.compile: a triton_op's
+    body is traced on fake tensors (there ``torch.compiler.is_compiling()`` can be False), and launch options such as
+    ``launch_pdl`` or ``maxnreg`` do not reach the compiled code."""
+    return not torch.compiler.is_compiling() and not is_fake(x)
+
+
 def launch(kernel, grid: tuple[int], *args, **keywords):
     """Launches a kernel through wrap_triton, so torch.compile sees (and inlines) the launch; directly
     under the Triton interpreter."""

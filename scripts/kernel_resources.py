@@ -81,6 +81,8 @@ def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool,
         bias_rows = tile_rows(1024, 4, window[0] * window[1], head_dim, torch.device("cpu"), itemsize)
         constants = kernel_constants(cfg, window, shifted, False, torch.float32 if dtype == "fp32" else torch.bfloat16,
                                      cosine, bias_rows)
+        if not backward:
+            constants["PDL"] = False  # a launch option of eager calls (kernels.flash_window._dependent_launch)
         signature = _signature(fn, constants, data_ptr)
         # as on the device for Swin shapes: pointers and strides are multiples of 16, head_dim where it is
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)

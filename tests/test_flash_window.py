@@ -536,6 +536,17 @@ def test_gpu_compiled_block_moves_no_qkv_sized_data(attention):
         assert moved
 
 
+def test_launch_options_only_for_eager_launches():
+    """Launch options torch.compile cannot take (launch_pdl, maxnreg) are chosen only for launches that run now: not
+    on the fake tensors a triton_op's body is traced with."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kernels.ops import eager_launch
+    assert eager_launch(torch.randn(3))
+    with FakeTensorMode():
+        assert not eager_launch(torch.randn(3))
+
+
 def test_opcheck():
     q, k, v, table = make_inputs(1, (2, 2), (4, 4), 2, 16, torch.float32)
     bias = dense_bias(table, (4, 4)).detach()
