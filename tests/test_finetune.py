@@ -40,12 +40,13 @@ def _train_pairs(tmp_path: Path, runs: list[tuple[str, tuple[str, ...]]]) -> dic
     sooner than one on both); {name: summary}."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     for i in range(0, len(runs), 2):
-        procs = [(name, subprocess.Popen(_command(tmp_path, name, overrides), cwd=tmp_path, env=env,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-                 for name, overrides in runs[i:i + 2]]
+        procs = []
+        for name, overrides in runs[i:i + 2]:  # output to files: a full pipe would stall a process nobody reads
+            with open(tmp_path / f"{name}.log", "w") as log:
+                procs.append((name, subprocess.Popen(_command(tmp_path, name, overrides), cwd=tmp_path, env=env,
+                                                     stdout=log, stderr=subprocess.STDOUT)))
         for name, proc in procs:
-            out, err = proc.communicate(timeout=600)
-            assert proc.returncode == 0, name + ":\n" + out[-2000:] + err[-3000:]
+            assert proc.wait(timeout=600) == 0, name + ":\n" + (tmp_path / f"{name}.log").read_text()[-4000:]
     return {name: _summary(tmp_path, name) for name, _ in runs}
 
 
