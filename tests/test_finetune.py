@@ -18,6 +18,11 @@ import swin.config  # noqa: F401  (registers the config schemas before compose)
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _env(**extra: str) -> dict[str, str]:
+    """train.py's environment: the repository importable, no wandb."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", **extra}
+
+
 def _command(tmp_path: Path, name: str, overrides: tuple[str, ...]) -> list[str]:
     return [sys.executable, str(ROOT / "train.py"), *overrides, "logger.wandb.mode=disabled", "logger.progress=false",
             f"hydra.run.dir={tmp_path / name}"]
@@ -28,7 +33,7 @@ def _summary(tmp_path: Path, name: str) -> dict:
 
 
 def _train(tmp_path: Path, name: str, *overrides: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    env = _env()
     r = subprocess.run(_command(tmp_path, name, overrides), cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -38,7 +43,7 @@ def _train(tmp_path: Path, name: str, *overrides: str) -> dict:
 def _train_pairs(tmp_path: Path, runs: list[tuple[str, tuple[str, ...]]]) -> dict[str, dict]:
     """Runs two train.py processes at a time, one CPU thread each (small models: two processes on two cores finish
     sooner than one on both); {name: summary}."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = _env(OMP_NUM_THREADS="1")
     for i in range(0, len(runs), 2):
         procs = []
         for name, overrides in runs[i:i + 2]:  # output to files: a full pipe would stall a process nobody reads
@@ -126,7 +131,7 @@ def test_pretrained_beats_scratch(tmp_path):
     (["experiment=finetune", "model.pretrained=/nonexistent/weights.pth"], "not found"),
 ])
 def test_finetune_without_usable_weights_is_a_message(tmp_path, overrides, message):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    env = _env()
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides, "logger.wandb.mode=disabled",
                         f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=300)
