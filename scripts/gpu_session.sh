@@ -22,7 +22,10 @@
 #                                         # the CUDA API calls of a decoding thread; CONTENTION_ARGS="--processes":
 #                                         # threads only (~3 min; "--side-stream" adds the side-stream rows)
 #   bash scripts/gpu_session.sh nvjpeg-hw # the GPU's hardware JPEG decoders through nvJPEG (ctypes): rate, host time,
-#                                         # pixels, step time beside them (scripts/probe_nvjpeg_hardware.py, ~2 min)
+#                                         # pixels, step time beside them (scripts/probe_nvjpeg_hardware.py, ~2 min;
+#                                         # NVJPEG_ARGS="--processes 1 4 8 --step swin": beside decoding processes)
+# MPS=1 before any stage: the stage runs under an MPS daemon of its own (started before, stopped after), so that
+# the CUDA contexts of several processes (data.decode=gpu's loader workers) share the GPU instead of time-slicing
 #   bash scripts/gpu_session.sh gelu      # cuBLAS fc1, fc1 + GELU and fc1 with cuBLASLt's GELU epilogue at Swin-T's fc1
 #                                         # shapes: times, errors vs float64 (scripts/bench_fc1_gelu.py;
 #                                         # GELU_ARGS="--model base --batch 64 --dtype fp16")
@@ -42,6 +45,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+if [ "${MPS:-0}" = 1 ]; then
+  # a user-level MPS daemon for this stage only (the GPU's compute mode is left as it is); every CUDA process started
+  # below with these variables is its client
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/swin_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/swin_mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || exit 1
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  echo "MPS daemon started"
+fi
 python -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__)"
 case "${1:-}" in
   tests)
@@ -108,7 +120,7 @@ case "${1:-}" in
   gelu)
     python scripts/bench_fc1_gelu.py ${GELU_ARGS:-} 2>&1 | tee "$OUT/bench_fc1_gelu.md" ;;
   nvjpeg-hw)
-    python scripts/probe_nvjpeg_hardware.py 2>&1 | grep -v Warning | tee "$OUT/nvjpeg_hw.md" ;;
+    python scripts/probe_nvjpeg_hardware.py ${NVJPEG_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/nvjpeg_hw.md" ;;
   data)
     # each part bounded so that the stage fits one 10-minute call: tests <= 90 s, the benchmark <= 470 s (rows not
     # started after DATA_BUDGET_S are skipped; a running train.py/eval.py is stopped at the budget); ~6-7 min expected

@@ -23,6 +23,7 @@ import argparse
 import ctypes
 import functools
 import io
+import multiprocessing as mp
 import os
 import sys
 import threading
@@ -78,6 +79,10 @@ def main() -> None:
                         help="the step beside which to decode (bench_decode_contention.step_graph)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 128])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--processes", type=int, nargs="*", default=[],
+                        help="only the step beside this many decoding processes (each row of --rates)")
+    parser.add_argument("--rates", type=int, nargs="+", default=[6000, 0],
+                        help="--processes: their total img/s cap (0: flat out)")
     args = parser.parse_args()
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -85,6 +90,9 @@ def main() -> None:
     lib = load_nvjpeg()
     print(f"# {torch.cuda.get_device_name()}: torch {torch.__version__}, libnvjpeg {lib._name}")
     files = make_files(args.jpegs)
+    if args.processes:
+        process_table(files["4:2:0"], args)
+        return
     if args.sweep:
         sweep(lib, files["4:2:0"], args)
         return
@@ -198,6 +206,64 @@ def sweep(lib: ctypes.CDLL, files: list[bytes], args) -> None:
         ms, r = beside(graph, make, part, part_sizes, 1, args.seconds)
         print(f"| {batch}, torchvision decode_jpeg | 1 | {r_alone:,.0f} | {ms:.2f} | {ms / alone:.2f} | {r:,.0f} |",
               flush=True)
+
+
+def _decoding_process(files: list[bytes], per_call: int, rate: float, stop, count) -> None:
+    """Decodes `files` in a loop with the engines, `per_call` files per call, at most `rate` img/s (0: no cap),
+    adding the files decoded to `count`: a loader worker's GPU work (spawned: a CUDA context of its own)."""
+    torch.cuda.set_device(0)
+    decoder = BatchedDecoder(load_nvjpeg(), BACKEND_HARDWARE, per_call)
+    calls = [files[i:i + per_call] for i in range(0, len(files) - per_call + 1, per_call)]
+    sizes = [[decoder.size(f)[1:] for f in call] for call in calls]
+    stream, start, done = torch.cuda.Stream(), time.perf_counter(), 0
+    with torch.cuda.stream(stream):
+        while not stop.is_set():
+            for call, call_sizes in zip(calls, sizes):
+                decoder(call, call_sizes)
+                stream.synchronize()
+                done += len(call)
+                with count.get_lock():
+                    count.value += len(call)
+                ahead = done / rate - (time.perf_counter() - start) if rate else 0.0
+                if ahead > 0:
+                    time.sleep(ahead)
+
+
+def beside_processes(graph, files: list[bytes], processes: int, seconds: float, rate: float,
+                     per_call: int = 6) -> tuple[float, float]:
+    """(step ms, decode img/s) with `processes` decoding processes (_decoding_process) sharing a total `rate`."""
+    from bench_decode_contention import step_ms
+    ctx = mp.get_context("spawn")  # CUDA in a child needs spawn
+    stop, count = ctx.Event(), ctx.Value("l", 0)
+    procs = [ctx.Process(target=_decoding_process, args=(files, per_call, rate / processes, stop, count))
+             for _ in range(processes)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + 120
+    while count.value < 10 * per_call * processes and time.time() < deadline:  # all started
+        time.sleep(0.2)
+    before, start = count.value, time.perf_counter()
+    ms = step_ms(graph, seconds)
+    decoded = (count.value - before) / (time.perf_counter() - start)
+    stop.set()
+    for p in procs:
+        p.join(timeout=30)
+    return ms, decoded
+
+
+def process_table(files: list[bytes], args) -> None:
+    """The step beside decoding processes, per process count and total rate cap, against the step alone."""
+    from bench_decode_contention import step_graph, step_ms
+    graph = step_graph(args.step)
+    alone = step_ms(graph, args.seconds)
+    mps = "on" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "off (unless started system-wide)"
+    print(f"\nstep: {args.step}, {alone:.2f} ms alone; MPS {mps}; {len(files)} files of "
+          f"{np.mean([len(f) for f in files]) / 1e3:.0f} KB, 6 per call\n")
+    print("| decoding processes | total img/s cap | step ms | x step alone | decode img/s |\n|---|---|---|---|---|")
+    for processes in args.processes:
+        for rate in args.rates:
+            ms, decoded = beside_processes(graph, files, processes, args.seconds, rate)
+            print(f"| {processes} | {rate or 'none'} | {ms:.2f} | {ms / alone:.2f} | {decoded:,.0f} |", flush=True)
 
 
 class TorchvisionDecoder:
