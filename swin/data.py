@@ -16,6 +16,7 @@ uint8 like the others.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, default_collate
+
+log = logging.getLogger(__name__)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -524,10 +527,14 @@ def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, seed: int = 0)
         from .gpu_data import collate_encoded
         settings["collate_fn"] = collate_encoded
     elif encoded is not None:
-        from .gpu_data import DeviceCollate
+        from .gpu_data import DeviceCollate, mps_running
         settings["collate_fn"] = DeviceCollate(device, encoded.device_transform, encoded.skip_corrupt, seed)
         if device.type == "cuda" and workers > 0:
             settings["multiprocessing_context"] = "spawn"
+            if not mps_running():
+                log.warning("data.decode=gpu: %d workers decode on the GPU, each in a CUDA context of its own, which "
+                            "the GPU time-slices with training unless MPS runs (no MPS daemon found): start "
+                            "`nvidia-cuda-mps-control -d` first (docs/data.md)", workers)
         elif device.type == "cuda":  # decoded in this process: the batches are on the device already
             settings["pin_memory"] = False
     return settings

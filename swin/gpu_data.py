@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import queue
 import threading
 import warnings
@@ -62,6 +63,19 @@ warnings.filterwarnings("ignore", message="The image decoding and encoding capab
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 # baseline, extended sequential and progressive Huffman frames: what nvJPEG decodes (progressive in software)
 _NVJPEG_SOF = (0xC0, 0xC1, 0xC2)
+
+
+def mps_running() -> bool:
+    """Whether an MPS control daemon runs (the pid file in its pipe directory, CUDA_MPS_PIPE_DIRECTORY, default
+    /tmp/nvidia-mps, names a live process; its sockets outlive it): CUDA processes started now share the GPU
+    instead of taking turns. Under MPS, 8 processes decoding the 6,000 img/s a Swin-T step needs cost the step 1% on
+    the H100; without it 64% (docs/benchmarks.md, 2026-11-25)."""
+    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"))
+    try:
+        pid = int((pipe / "nvidia-cuda-mps-control.pid").read_text().strip())
+    except (OSError, ValueError):
+        return False
+    return Path(f"/proc/{pid}").exists()
 
 
 def _frame_start(data: bytes | memoryview) -> int | None:
