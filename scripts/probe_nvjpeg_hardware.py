@@ -256,8 +256,9 @@ def process_table(files: list[bytes], args) -> None:
     from bench_decode_contention import step_graph, step_ms
     graph = step_graph(args.step)
     alone = step_ms(graph, args.seconds)
-    mps = "on" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "off (unless started system-wide)"
-    print(f"\nstep: {args.step}, {alone:.2f} ms alone; MPS {mps}; {len(files)} files of "
+    from swin.gpu_data import mps_running
+    mps = "an MPS daemon runs" if mps_running() else "no MPS daemon"
+    print(f"\nstep: {args.step}, {alone:.2f} ms alone; {mps}; {len(files)} files of "
           f"{np.mean([len(f) for f in files]) / 1e3:.0f} KB, 6 per call\n")
     print("| decoding processes | total img/s cap | step ms | x step alone | decode img/s |\n|---|---|---|---|---|")
     for processes in args.processes:
