@@ -272,7 +272,7 @@ def _dependent_launch(x: torch.Tensor) -> bool:
 
 
 def _bias_tiles(bias: torch.Tensor, mask: torch.Tensor | None, window: tuple[int, int], geo: _Geometry, heads: int,
-                cfg: dict, keywords: dict, dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
+                cfg: dict, keywords: dict, dtype: torch.dtype, pdl: bool) -> torch.Tensor:
     """(classes, heads, TILE_ROWS, BLOCK_N + BLOCK_T) tiles (tile_dtype) the attention kernels load: bias (dense, or
     gathered from the relative position table of `window`) plus the mask of each class's window (4 classes: interior,
     last column, last row, last window; 1 without a mask), padded; one small kernel. pdl: the next launch is its

@@ -33,8 +33,7 @@ def _summary(tmp_path: Path, name: str) -> dict:
 
 
 def _train(tmp_path: Path, name: str, *overrides: str) -> dict:
-    env = _env()
-    r = subprocess.run(_command(tmp_path, name, overrides), cwd=tmp_path, env=env, capture_output=True, text=True,
+    r = subprocess.run(_command(tmp_path, name, overrides), cwd=tmp_path, env=_env(), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return _summary(tmp_path, name)
@@ -131,9 +130,7 @@ def test_pretrained_beats_scratch(tmp_path):
     (["experiment=finetune", "model.pretrained=/nonexistent/weights.pth"], "not found"),
 ])
 def test_finetune_without_usable_weights_is_a_message(tmp_path, overrides, message):
-    env = _env()
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides, "logger.wandb.mode=disabled",
-                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True,
+    r = subprocess.run(_command(tmp_path, "run", tuple(overrides)), cwd=tmp_path, env=_env(), capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
