@@ -364,8 +364,8 @@ class _Normalize:
             self.std = torch.tensor([255 * s for s in std], device=device).view(1, -1, 1, 1)
         self.erasing = None
         if re_prob > 0:
-            from timm.data.random_erasing import RandomErasing
-            self.erasing = RandomErasing(re_prob, mode=re_mode, max_count=re_count, device=device)
+            from .erasing import BatchRandomErasing
+            self.erasing = BatchRandomErasing(re_prob, mode=re_mode, max_count=re_count, device=device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mean is not None:  # uint8 -> a new float32 tensor, normalised in place

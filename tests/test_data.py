@@ -85,6 +85,73 @@ def test_random_erasing_runs_in_the_loader():
         assert ((a != b) & (b != 0)).sum() == 0  # ... to zeros (mode const), and nowhere else changed
 
 
+
+@pytest.mark.parametrize("mode,count,splits", [("const", 1, 0), ("pixel", 1, 0), ("rand", 3, 0), ("pixel", 3, 2)])
+def test_batch_random_erasing_erases_timms_boxes(mode, count, splits):
+    """The batched erasing draws timm's boxes (same seed of Python's random, same order) and fills them as timm's
+    mode says: zeros, one normal colour per box, normal noise per pixel; nothing else changes."""
+    import random
+
+    from timm.data.random_erasing import RandomErasing
+
+    from swin.erasing import BatchRandomErasing
+    args = dict(probability=0.6, mode=mode, max_count=count, num_splits=splits, device="cpu")
+    x = torch.rand(48, 3, 24, 20) + 0.5  # no value is 0 or noise-like by chance
+    seed = int(torch.randint(0, 2**31, ()))
+    random.seed(seed)
+    want = RandomErasing(**args)(x.clone())
+    random.seed(seed)
+    got = BatchRandomErasing(**args)(x.clone())
+    state = random.getstate()
+    random.seed(seed)
+    RandomErasing(**args)(x.clone())
+    assert random.getstate() == state  # the same number of draws as timm's
+    erased = got != x
+    assert torch.equal(erased, want != x)  # the same pixels, in every channel
+    assert erased[:splits and 48 // splits].sum() == 0  # the clean split is left alone
+    assert 0.1 < erased.flatten(1).any(1).float().mean() < 0.9
+    fill = got[erased]
+    if mode == "const":
+        assert torch.equal(got, want)
+    elif mode == "pixel":
+        assert abs(fill.mean()) < 0.05 and abs(fill.std() - 1) < 0.05 and fill.unique().numel() == fill.numel()
+    else:  # one colour per box and channel: few distinct values, normally distributed across boxes
+        assert fill.unique().numel() < 48 * count * 3 + 1
+
+
+def test_batch_random_erasing_leaves_single_images_to_timm():
+    import random
+
+    from timm.data.random_erasing import RandomErasing
+
+    from swin.erasing import BatchRandomErasing
+    x = torch.rand(3, 16, 16) + 0.5
+    random.seed(5)
+    want = RandomErasing(1.0, mode="const", device="cpu")(x.clone())
+    random.seed(5)
+    assert torch.equal(BatchRandomErasing(1.0, mode="const", device="cpu")(x.clone()), want)
+    assert not torch.equal(want, x)
+
+
+@pytest.mark.gpu
+def test_gpu_batch_random_erasing_matches_the_cpu_and_never_syncs():
+    """On CUDA: the boxes of the same seed as on the CPU, erased without waiting for the device."""
+    import random
+
+    from swin.erasing import BatchRandomErasing
+    x = torch.rand(128, 3, 224, 224) + 0.5
+    erase = BatchRandomErasing(0.25, mode="pixel", device="cuda")
+    random.seed(11)
+    want = erase(x.clone()) != x
+    random.seed(11)
+    gpu = x.cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = erase(gpu.clone()) != gpu
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert want.any() and torch.equal(got.cpu(), want)
+
 def _synthetic(n=40, classes=5, rank=0, world=1, train=True, seed=3, batch=4):
     ds = SyntheticDataset(n, (8, 8), classes, seed=0, pool=8)
     norm = _Normalize(torch.device("cpu"), IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)
