@@ -45,7 +45,7 @@ class Datasets:
     # (x - 255 mean) / (255 std) in float32. None: the datasets already yield normalised float images.
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
-    # timm RandomErasing of training batches, on the device after normalisation (as timm's PrefetchLoader)
+    # timm's RandomErasing of training batches (swin.erasing: whole batches), on the device after normalisation
     re_prob: float = 0.0
     re_mode: str = "const"
     re_count: int = 1

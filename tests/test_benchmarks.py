@@ -439,3 +439,21 @@ def test_bench_data_cpu(tmp_path):
     assert "| loader only, data.decode=gpu, num_workers=1 |" in md and "eval top-1 gpu - cpu" in md
     assert "| loader only, data.decode=gpu data.gpu_decode_thread=true (workers read files), num_workers=1 |" in md
     assert "| loader only, data.decode=cpu data.augment=gpu (workers decode, a thread augments), num_workers=1 |" in md
+
+
+def test_profile_train_step_cpu(tmp_path):
+    """scripts/profile_train_step.py runs train.py unchanged and reports its profiled window: on the CPU, no kernels,
+    but the step's wall time and the data wait, of which the DataLoader's own wait is a part."""
+    out = tmp_path / "profile.json"
+    stdout = run_script([str(ROOT / "scripts/profile_train_step.py"), "--start", "3", "--stop", "6", "--json", str(out),
+                         "--", "model=swin_micro", "data=digits", "train.batch_size=16", "train.epochs=1",
+                         "train.warmup_epochs=0", "data.train_limit=128", "data.val_limit=16",
+                         "logger.wandb.mode=disabled", "logger.progress=false", f"hydra.run.dir={tmp_path / 'run'}"],
+                        cwd=tmp_path, timeout=200)
+    line = json.loads(next(s for s in stdout.splitlines() if s.startswith("{")))
+    result = json.loads(out.read_text())
+    assert line["steps"] == result["steps"] == 3 and positive(result["wall_ms"])
+    assert 0 < result["dataloader_next_ms"] <= result["data_wait_ms"] < result["wall_ms"]
+    assert result["kernel_ms"] == result["busy_ms"] == result["span_ms"] == 0.0
+    assert result["top_kernels"].startswith("| kernel |")
+    assert (tmp_path / "run" / "summary.json").is_file()  # the run went on to its end

@@ -1,0 +1,124 @@
+"""Where a train.py step's time goes: train.py itself, with its own GPU work profiled over a window of batches.
+
+Runs ``train.py`` with the given overrides, unchanged except for two measuring hooks in the training process:
+batches ``--start`` to ``--stop`` (counted over the whole run, so past epoch 1's compilation) are profiled with
+torch.profiler (CUDA activity only: no host-side tracing to slow the loop), and the host time spent in
+``next(loader)`` is split into the DataLoader's own ``__next__`` (a batch not ready yet, the pin-memory queue) and
+the rest (swin.data.DeviceLoader's copy, normalisation and random erasing). Prints one JSON line per window, per
+step: wall time, data wait, DataLoader wait, the kernels' summed time, the time the GPU ran any of this process's
+work (busy) and the span from the first kernel to the last; with ``--json PATH``, also a table of the kernels taking
+the most time (scripts/benchmark.py's). Busy below span means the GPU ran none of this process's work in between:
+it waited for the host, or other processes' kernels held it (those, e.g. loader workers decoding on the GPU, are not
+seen).
+
+    python scripts/profile_train_step.py --start 200 --stop 240 -- experiment=imagenet_swin_tiny data.root=... \
+        data.decode=gpu train.compile=true train.compile_mode=reduce-overhead
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.benchmark import busy_union_us, device_kernels, top_kernels_table  # noqa: E402
+from swin import data as swin_data  # noqa: E402
+from swin import engine  # noqa: E402
+
+
+class TimedLoader:
+    """A DataLoader whose ``__next__`` time is added up in ``self.seconds``."""
+
+    def __init__(self, loader: Any):
+        self.loader, self.batch_size, self.seconds = loader, loader.batch_size, 0.0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.seconds += time.perf_counter() - t0
+            yield batch
+
+
+def summary(prof: torch.profiler.profile, steps: int, wall: float, wait: float, loader_wait: float) -> dict:
+    """Per step (ms): the window's wall time, data wait, DataLoader wait, and this process's GPU work: summed
+    kernel time, busy time (union of the kernel intervals) and the span from the first kernel to the last."""
+    kernels = device_kernels(prof.events())
+    intervals = [(k.time_range.start, k.time_range.end) for k in kernels]
+    span = max(e for _, e in intervals) - min(s for s, _ in intervals) if intervals else 0.0
+    ms = 1e3 / steps
+    return {"steps": steps, "wall_ms": wall * ms, "data_wait_ms": wait * ms, "dataloader_next_ms": loader_wait * ms,
+            "kernel_ms": sum(e - s for s, e in intervals) / 1e3 / steps,
+            "busy_ms": busy_union_us(intervals) / 1e3 / steps, "span_ms": span / 1e3 / steps,
+            "top_kernels": top_kernels_table(kernels, steps, 30)}
+
+
+def install_hooks(start: int, stop: int, json_path: str | None) -> None:
+    loaders: list[TimedLoader] = []
+    state: dict[str, Any] = {"batches": 0}
+    device_loader_init = swin_data.DeviceLoader.__init__
+    next_batch = engine.EpochClock.next_batch
+
+    def timed_init(self, loader, *args, **kwargs):
+        loaders.append(TimedLoader(loader))
+        device_loader_init(self, loaders[-1], *args, **kwargs)
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def profiled_next_batch(self, batches):
+        state["batches"] += 1
+        if state["batches"] == start:
+            sync()
+            activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else \
+                torch.profiler.ProfilerActivity.CPU  # on the CPU: no kernels, the host split alone
+            state.update(prof=torch.profiler.profile(activities=[activity]),
+                         t0=time.perf_counter(), wait0=self.data_wait, loader0=sum(t.seconds for t in loaders))
+            state["prof"].__enter__()
+        elif state["batches"] == stop:
+            sync()
+            wall = time.perf_counter() - state["t0"]
+            state["prof"].__exit__(None, None, None)
+            result = summary(state["prof"], stop - start, wall, self.data_wait - state["wait0"],
+                             sum(t.seconds for t in loaders) - state["loader0"])
+            print(json.dumps({k: round(v, 3) for k, v in result.items() if k != "top_kernels"}), flush=True)
+            if json_path:
+                Path(json_path).write_text(json.dumps(result, indent=1))
+        return next_batch(self, batches)
+
+    swin_data.DeviceLoader.__init__ = timed_init
+    engine.EpochClock.next_batch = profiled_next_batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--start", type=int, default=200, help="first profiled batch of the run (1-based)")
+    parser.add_argument("--stop", type=int, default=240, help="the profile ends when this batch is fetched")
+    parser.add_argument("--json", help="write the window's numbers and top kernels here")
+    parser.add_argument("overrides", nargs="*", help="train.py's Hydra overrides (after --)")
+    args = parser.parse_args()
+    if not 1 < args.start < args.stop:
+        parser.error("--start must be above 1 and below --stop")
+    install_hooks(args.start, args.stop, args.json)
+    sys.argv = [str(ROOT / "train.py"), *args.overrides]
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
