@@ -3,13 +3,13 @@
 Runs ``train.py`` with the given overrides, unchanged except for two measuring hooks in the training process:
 batches ``--start`` to ``--stop`` (counted over the whole run, so past epoch 1's compilation) are profiled with
 torch.profiler (CUDA activity only: no host-side tracing to slow the loop), and the host time spent in
-``next(loader)`` is split into the DataLoader's own ``__next__`` (a batch not ready yet, the pin-memory queue) and
-the rest (swin.data.DeviceLoader's copy, normalisation and random erasing). Prints one JSON line per window, per
-step: wall time, data wait, DataLoader wait, the kernels' summed time, the time the GPU ran any of this process's
-work (busy) and the span from the first kernel to the last; with ``--json PATH``, also a table of the kernels taking
-the most time (scripts/benchmark.py's). Busy below span means the GPU ran none of this process's work in between:
-it waited for the host, or other processes' kernels held it (those, e.g. loader workers decoding on the GPU, are not
-seen).
+``next(loader)`` is split into the training DataLoader's own ``__next__`` (a batch not ready yet, the pin-memory
+queue) and the rest (swin.data.DeviceLoader's copy, normalisation and random erasing). Prints one JSON line for the
+window (batches start..stop-1), per update (per micro-batch with train.accum_steps > 1): wall time, data wait,
+DataLoader wait, the kernels' summed time, the time the GPU ran any of this process's work (busy) and the span from
+the first kernel to the last; with ``--json PATH``, also a table of the kernels taking the most time
+(scripts/benchmark.py's). Busy below span means the GPU ran none of this process's work in between: it waited for
+the host, or other processes' kernels held it (those, e.g. loader workers decoding on the GPU, are not seen).
 
     python scripts/profile_train_step.py --start 200 --stop 240 -- experiment=imagenet_swin_tiny data.root=... \
         data.decode=gpu train.compile=true train.compile_mode=reduce-overhead
@@ -68,56 +68,80 @@ def summary(prof: torch.profiler.profile, steps: int, wall: float, wait: float, 
             "top_kernels": top_kernels_table(kernels, steps, 30)}
 
 
-def install_hooks(start: int, stop: int, json_path: str | None) -> None:
-    loaders: list[TimedLoader] = []
-    state: dict[str, Any] = {"batches": 0}
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def install_hooks(start: int, stop: int, json_path: str | None) -> dict[str, Any]:
+    """Hooks into this process's swin.engine and swin.data (train.py runs in it): the training loader's DataLoader
+    is timed, and batches start..stop-1 are profiled. Returns the state, whose "done" says the window was reached."""
+    state: dict[str, Any] = {"batches": 0, "wait": 0.0, "done": False, "train_loader": None}
     device_loader_init = swin_data.DeviceLoader.__init__
     next_batch = engine.EpochClock.next_batch
 
-    def timed_init(self, loader, *args, **kwargs):
-        loaders.append(TimedLoader(loader))
-        device_loader_init(self, loaders[-1], *args, **kwargs)
+    def timed_init(self, loader, device, normalize, sampler=None):
+        if sampler is not None:  # the training loader (the evaluation loader has none)
+            loader = state["train_loader"] = TimedLoader(loader)
+        device_loader_init(self, loader, device, normalize, sampler)
 
-    def sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+    def begin(clock) -> None:
+        _sync()
+        activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else \
+            torch.profiler.ProfilerActivity.CPU  # on the CPU: no kernels, the host split alone
+        state["prof"] = torch.profiler.profile(activities=[activity])
+        state["prof"].__enter__()
+        state.update(clock=clock, t0=time.perf_counter(), loader0=state["train_loader"].seconds)
+
+    def end(clock) -> None:
+        _sync()
+        wall = time.perf_counter() - state["t0"]
+        state["prof"].__exit__(None, None, None)
+        result = summary(state["prof"], stop - start, wall, state["wait"],
+                         state["train_loader"].seconds - state["loader0"])
+        # swin.engine makes a new EpochClock per epoch: a window across an epoch's end also times its evaluation
+        result["crosses_epoch_end"] = clock is not state["clock"]
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
+                          if k != "top_kernels"}), flush=True)
+        if json_path:
+            Path(json_path).write_text(json.dumps(result, indent=1))
+        state["done"] = True
 
     def profiled_next_batch(self, batches):
         state["batches"] += 1
         if state["batches"] == start:
-            sync()
-            activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else \
-                torch.profiler.ProfilerActivity.CPU  # on the CPU: no kernels, the host split alone
-            state.update(prof=torch.profiler.profile(activities=[activity]),
-                         t0=time.perf_counter(), wait0=self.data_wait, loader0=sum(t.seconds for t in loaders))
-            state["prof"].__enter__()
+            begin(self)
         elif state["batches"] == stop:
-            sync()
-            wall = time.perf_counter() - state["t0"]
-            state["prof"].__exit__(None, None, None)
-            result = summary(state["prof"], stop - start, wall, self.data_wait - state["wait0"],
-                             sum(t.seconds for t in loaders) - state["loader0"])
-            print(json.dumps({k: round(v, 3) for k, v in result.items() if k != "top_kernels"}), flush=True)
-            if json_path:
-                Path(json_path).write_text(json.dumps(result, indent=1))
-        return next_batch(self, batches)
+            end(self)
+        t0 = time.perf_counter()
+        batch = next_batch(self, batches)
+        if start <= state["batches"] < stop:
+            state["wait"] += time.perf_counter() - t0
+        return batch
 
     swin_data.DeviceLoader.__init__ = timed_init
     engine.EpochClock.next_batch = profiled_next_batch
+    return state
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--start", type=int, default=200, help="first profiled batch of the run (1-based)")
-    parser.add_argument("--stop", type=int, default=240, help="the profile ends when this batch is fetched")
+    parser.add_argument("--stop", type=int, default=240, help="the window ends when this batch is fetched (keep it "
+                        "inside one epoch: its end's evaluation and checkpoint would count)")
     parser.add_argument("--json", help="write the window's numbers and top kernels here")
     parser.add_argument("overrides", nargs="*", help="train.py's Hydra overrides (after --)")
     args = parser.parse_args()
     if not 1 < args.start < args.stop:
         parser.error("--start must be above 1 and below --stop")
-    install_hooks(args.start, args.stop, args.json)
+    state = install_hooks(args.start, args.stop, args.json)
     sys.argv = [str(ROOT / "train.py"), *args.overrides]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    if not state["done"]:
+        if "prof" in state:  # started, never stopped: a profiler left running crashes the interpreter's exit
+            state["prof"].__exit__(None, None, None)
+        sys.exit(f"profile_train_step: the run fetched {state['batches']} training batches, fewer than --stop "
+                 f"{args.stop}: nothing was profiled")
 
 
 if __name__ == "__main__":

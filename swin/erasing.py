@@ -19,8 +19,9 @@ Box = tuple[int, int, int, int]  # top, left, height, width
 
 
 class BatchRandomErasing(RandomErasing):
-    """timm's RandomErasing (same arguments, same random draws) for (B, C, H, W) batches; a single (C, H, W) image
-    goes to timm's own code. The fill follows timm's modes: ``pixel`` normal noise per pixel, ``rand`` one normal
+    """timm's RandomErasing (same arguments, same random draws) for (B, C, H, W) batches, returned as a new tensor
+    (timm erases in place); a single (C, H, W) image goes to timm's own code, in place. The fill follows timm's
+    modes: ``pixel`` normal noise per pixel (drawn for the whole batch, once per box rank), ``rand`` one normal
     colour per box, ``const`` zeros."""
 
     def boxes(self, batch: int, height: int, width: int) -> list[list[Box]]:
@@ -57,7 +58,7 @@ class BatchRandomErasing(RandomErasing):
             return super().__call__(x)
         b, _, height, width = x.shape
         drawn = self.boxes(b, height, width)
-        ranks = max(map(len, drawn))
+        ranks = max(map(len, drawn), default=0)
         if ranks == 0:
             return x
         # (rank, image, [top, left, h, w]); an image without a k-th box gets an empty one
