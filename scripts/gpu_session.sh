@@ -17,6 +17,10 @@
 #                                         # (CPU workers 1/4/all, nvJPEG), train.py with each and on synthetic data,
 #                                         # eval.py top-1 with each decode path; table in $OUT/data/bench_data.md
 #                                         # (DATA_ARGS: more overrides, e.g. "loader.cpu_workers=[16] loader.gpu_workers=[8]")
+#   MPS=1 bash scripts/gpu_session.sh profile  # train.py's own GPU work and data wait per step over batches 200-239
+#                                         # (scripts/profile_train_step.py): the ImageNet recipe with data.decode=gpu,
+#                                         # then the same recipe on synthetic data; PROFILE_ARGS: more overrides of
+#                                         # the decode=gpu run (e.g. data.reprob=0); ~6 min; JSON in $OUT/profile_*.json
 #   bash scripts/gpu_session.sh contention  # GPU decoding in worker processes vs threads beside a CUDA-graph step
 #                                         # waited for by device sync, event sync or event polling (--waits), with
 #                                         # the CUDA API calls of a decoding thread; CONTENTION_ARGS="--processes":
@@ -32,8 +36,8 @@
 # Hydra is missing on the device machine: carry .whl (../shared/device-wheels/, see its README).
 set -uo pipefail
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|contention|nvjpeg-hw|gelu) ;;
-  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|e2e-v2|loop|data|contention|nvjpeg-hw|gelu" >&2
+  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu) ;;
+  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu" >&2
      exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
@@ -115,6 +119,20 @@ case "${1:-}" in
       mkdir -p "$OUT/loop_$d" && cp "$R/$d/summary.json" "$R/$d/train.log" "$OUT/loop_$d/" 2>/dev/null
     done
     python scripts/loop_report.py "$OUT" | tee "$OUT/loop.md" ;;
+  profile)
+    # 64 classes x 320 files: 160 steps per epoch, so batches 200-239 lie inside epoch 2 (past compilation)
+    R=/tmp/profile; rm -rf "$R/gpu" "$R/synthetic"; mkdir -p "$R"
+    python scripts/make_imagefolder.py "$R/fakenet" --classes 64 --train-per-class 320 --val-per-class 2 --seed 0 | tail -1
+    Q="experiment=imagenet_swin_tiny train.batch_size=128 train.epochs=2 train.warmup_epochs=1 train.compile=true
+       train.compile_mode=reduce-overhead train.save_every_epochs=0 train.save_every_steps=0 train.eval_every=1000
+       logger.wandb.mode=disabled logger.progress=false"
+    timeout 330 python scripts/profile_train_step.py --json "$OUT/profile_gpu.json" -- $Q data.root="$R/fakenet" \
+      data.decode=gpu data.num_workers=8 hydra.run.dir="$R/gpu" ${PROFILE_ARGS:-} 2>&1 | grep -E '^\{|epoch|rror'
+    # the same model and training recipe on data=synthetic, as scripts/bench_data.py composes its synthetic row
+    S=$(python -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from bench_data import \
+synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthetic'))))" $Q hydra.run.dir="$R/synthetic")
+    timeout 200 python scripts/profile_train_step.py --json "$OUT/profile_synthetic.json" -- $S data=synthetic \
+      data.train_samples=20480 data.val_samples=128 data.num_classes=64 2>&1 | grep -E '^\{|epoch|rror' ;;
   contention)
     python scripts/bench_decode_contention.py --trace ${CONTENTION_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
   gelu)
