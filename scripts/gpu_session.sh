@@ -20,7 +20,8 @@
 #   MPS=1 bash scripts/gpu_session.sh profile  # train.py's own GPU work and data wait per step over batches 200-239
 #                                         # (scripts/profile_train_step.py): the ImageNet recipe with data.decode=gpu,
 #                                         # then the same recipe on synthetic data; PROFILE_ARGS: more overrides of
-#                                         # the decode=gpu run (e.g. data.reprob=0); ~6 min; JSON in $OUT/profile_*.json
+#                                         # the decode=gpu run (e.g. data.reprob=0); ~6 min; JSON in $OUT/profile_*.json;
+#                                         # with py-spy's wheel in .whl, which thread holds the GIL after the window
 #   bash scripts/gpu_session.sh contention  # GPU decoding in worker processes vs threads beside a CUDA-graph step
 #                                         # waited for by device sync, event sync or event polling (--waits), with
 #                                         # the CUDA API calls of a decoding thread; CONTENTION_ARGS="--processes":
@@ -46,7 +47,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH  # PATH: scripts of wheels (py-spy)
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "${MPS:-0}" = 1 ]; then
@@ -123,16 +124,39 @@ case "${1:-}" in
     # 64 classes x 320 files: 160 steps per epoch, so batches 200-239 lie inside epoch 2 (past compilation)
     R=/tmp/profile; rm -rf "$R/gpu" "$R/synthetic"; mkdir -p "$R"
     python scripts/make_imagefolder.py "$R/fakenet" --classes 64 --train-per-class 320 --val-per-class 2 --seed 0 | tail -1
-    Q="experiment=imagenet_swin_tiny train.batch_size=128 train.epochs=2 train.warmup_epochs=1 train.compile=true
+    Q="experiment=imagenet_swin_tiny train.batch_size=128 train.epochs=3 train.warmup_epochs=1 train.compile=true
        train.compile_mode=reduce-overhead train.save_every_epochs=0 train.save_every_steps=0 train.eval_every=1000
        logger.wandb.mode=disabled logger.progress=false"
-    timeout 330 python scripts/profile_train_step.py --json "$OUT/profile_gpu.json" -- $Q data.root="$R/fakenet" \
-      data.decode=gpu data.num_workers=8 hydra.run.dir="$R/gpu" ${PROFILE_ARGS:-} 2>&1 | grep -E '^\{|epoch|rror'
+    profile_run() {  # NAME TIMEOUT OVERRIDES...: the profiled window, then (py-spy carried in .whl) 4 s of which
+      # thread holds the GIL (py-spy --gil: only GIL holders are sampled), per thread, in epoch 3
+      local name=$1 limit=$2; shift 2
+      timeout "$limit" python scripts/profile_train_step.py --json "$OUT/profile_$name.json" -- "$@" \
+        > "$R/$name.out" 2>&1 &
+      local job=$!
+      if command -v py-spy >/dev/null; then
+        until [ -f "$OUT/profile_$name.json" ] || ! kill -0 $job 2>/dev/null; do sleep 1; done
+        local pid; pid=$(pgrep -P $job -f profile_train_step | head -1)
+        [ -n "$pid" ] && py-spy record --gil --threads --nonblocking --format raw -r 200 -d 4 -p "$pid" \
+          -o "$OUT/gil_$name.txt" >/dev/null 2>&1
+      fi
+      wait $job
+      grep -E '^\{|epoch|rror' "$R/$name.out"
+      [ -f "$OUT/gil_$name.txt" ] && python -c "
+import collections, sys
+threads = collections.Counter()
+for line in open(sys.argv[1]):
+    stack, _, n = line.rstrip().rpartition(' ')
+    threads[next((f for f in stack.split(';') if f.startswith('thread')), '?')[:60]] += int(n or 0)
+total = sum(threads.values()) or 1
+print('GIL held (share of samples with a holder):', ', '.join(f'{t} {n / total:.0%}' for t, n in threads.most_common(6)))
+" "$OUT/gil_$name.txt"
+    }
+    profile_run gpu 360 $Q data.root="$R/fakenet" data.decode=gpu data.num_workers=8 hydra.run.dir="$R/gpu" \
+      ${PROFILE_ARGS:-}
     # the same model and training recipe on data=synthetic, as scripts/bench_data.py composes its synthetic row
     S=$(python -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from bench_data import \
 synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthetic'))))" $Q hydra.run.dir="$R/synthetic")
-    timeout 200 python scripts/profile_train_step.py --json "$OUT/profile_synthetic.json" -- $S data=synthetic \
-      data.train_samples=20480 data.val_samples=128 data.num_classes=64 2>&1 | grep -E '^\{|epoch|rror' ;;
+    profile_run synthetic 200 $S data=synthetic data.train_samples=20480 data.val_samples=128 data.num_classes=64 ;;
   contention)
     python scripts/bench_decode_contention.py --trace ${CONTENTION_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
   gelu)
