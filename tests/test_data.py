@@ -85,7 +85,6 @@ def test_random_erasing_runs_in_the_loader():
         assert ((a != b) & (b != 0)).sum() == 0  # ... to zeros (mode const), and nowhere else changed
 
 
-
 @pytest.mark.parametrize("mode,count,splits", [("const", 1, 0), ("pixel", 1, 0), ("rand", 1, 0), ("rand", 3, 0),
                                                ("pixel", 3, 2)])
 def test_batch_random_erasing_erases_timms_boxes(mode, count, splits):
@@ -161,6 +160,7 @@ def test_gpu_batch_random_erasing_matches_the_cpu_and_never_syncs():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert want.any() and torch.equal(got.cpu(), want)
+
 
 def _synthetic(n=40, classes=5, rank=0, world=1, train=True, seed=3, batch=4):
     ds = SyntheticDataset(n, (8, 8), classes, seed=0, pool=8)
