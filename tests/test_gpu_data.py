@@ -456,8 +456,9 @@ def _write_folder(root: Path, photos: list[Image.Image], split: str, per_class: 
 def test_eval_batches_match_the_cpu_path(photos, tmp_path):
     """eval.py's validation data with data.decode=gpu (device pipeline on the CPU) against data.decode=cpu (PIL and
     timm's resize + centre crop in the workers), normalised: the same resize and crop. Both decoders are
-    libjpeg-turbo (identical pixels); the resize is PIL's two passes in float instead of fixed point, so a few
-    pixels in 10,000 (at most ~0.2%, depending on the image) differ by one level."""
+    libjpeg-turbo (identical pixels); the resize is PIL's two passes in float instead of fixed point (PIL rounds
+    to 8 bits between its passes), so a few pixels in 10,000 (at most ~0.2%, depending on the image) differ by one
+    level, and a rare one by two (TEST_SEED=21: one in 10,000)."""
     from swin.evaluate import build_eval_dataset
     _write_folder(tmp_path, photos, "val", 4)
     batches = {}
@@ -471,7 +472,8 @@ def test_eval_batches_match_the_cpu_path(photos, tmp_path):
     for (xc, yc), (xg, yg) in zip(batches["cpu"], batches["gpu"]):
         assert torch.equal(yc, yg) and xg.shape == xc.shape == (xc.shape[0], 3, 224, 224)
         diff = (xg - xc).abs() * STD_LEVELS
-        assert diff.max() <= 1.01 and (diff > 0.01).float().mean() < 5e-3, (diff.max(), (diff > 0.01).float().mean())
+        assert diff.max() <= 2.01 and (diff > 0.01).float().mean() < 5e-3, (diff.max(), (diff > 0.01).float().mean())
+        assert (diff > 1.01).float().mean() < 5e-4
 
 
 # --- undecodable files --------------------------------------------------------------------------------------
