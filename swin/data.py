@@ -15,6 +15,7 @@ uint8 like the others.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
@@ -25,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, default_collate
+
+from .batch_ring import ReceivedBatch
 
 log = logging.getLogger(__name__)
 
@@ -388,8 +391,9 @@ class DeviceLoader:
     allocating (a block the consumer freed may be handed out again by the caching allocator while kernels
     reading it are still queued). On the CPU the same steps run in order.
     Batches must be consumed on the stream that is current when the iterator is advanced.
-    Batches of GPU-decoding workers (swin.gpu_data.DeviceCollate) also name the files nvJPEG could not decode:
-    counted in ``cpu_decoded`` (the first few kept in ``cpu_decoded_files``).
+    Batches of GPU-decoding workers (swin.gpu_data.DeviceCollate) come in slots of a ring of pinned buffers
+    (swin.batch_ring: images and targets copied from there, the slot given back once the copy is done) and also
+    name the files nvJPEG could not decode: counted in ``cpu_decoded`` (the first few kept in ``cpu_decoded_files``).
     """
 
     max_files = 20
@@ -400,6 +404,8 @@ class DeviceLoader:
         self.batch_size = loader.batch_size or 1
         self.num_batches = len(loader)  # a whole epoch, whatever set_epoch(start_batch=...) skips
         self._stream: torch.cuda.Stream | None = None
+        # batches in ring slots (swin.batch_ring) whose slots are not given back yet
+        self._received: collections.deque[ReceivedBatch] = collections.deque()
         self.cpu_decoded = 0
         self.cpu_decoded_files: list[str] = []
 
@@ -416,10 +422,21 @@ class DeviceLoader:
         self.cpu_decoded += len(paths)
         self.cpu_decoded_files += paths[:self.max_files - len(self.cpu_decoded_files)]
 
-    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x.to(self.device, non_blocking=True)
-        y = y.to(self.device, non_blocking=True)
+    def _to_device(self, x: Any, y: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, ReceivedBatch):  # in a slot of a ring (swin.batch_ring): given back once copied
+            received, (x, y) = x, x.to(self.device)
+            self._received.append(received)
+            self._release_copied()  # (on the CPU, at once)
+        else:
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
         return self.normalize(x), y
+
+    def _release_copied(self) -> None:
+        """Give back the ring slots whose copies have finished, and wait for the oldest beyond the ring's limit."""
+        while self._received and (self._received[0].done() or
+                                  len(self._received) > self._received[0].ring.in_flight_limit):
+            self._received.popleft().release()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
         cuda = self.device.type == "cuda"
@@ -432,7 +449,8 @@ class DeviceLoader:
                 self._count_cpu_decoded(on_cpu[0])
             if cuda:
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
-                if x.is_cuda:  # made on another stream (swin.gpu_data): its memory is not reused while we read it
+                if isinstance(x, torch.Tensor) and x.is_cuda:
+                    # made on another stream (swin.gpu_data): its memory is not reused while we read it
                     x.record_stream(self._stream)
                 with torch.cuda.stream(self._stream):
                     ready = (*self._to_device(x, y), skipped)
@@ -492,7 +510,7 @@ def build_eval_loader(val: Dataset, cfg: Any, device: torch.device, rank: int, w
     if isinstance(val, SyntheticDataset):
         return SyntheticLoader(val, batch_size, device, norm, rank, world_size, seed=0, train=False)
     loader = DataLoader(val, batch_size=batch_size, sampler=ShardSampler(len(val), rank, world_size),
-                        **_worker_settings(cfg, device, val))
+                        **_worker_settings(cfg, device, val, batch_size))
     return DeviceLoader(_decoding(loader, cfg, device, val), device, norm)
 
 
@@ -511,11 +529,12 @@ def _decoded_in_workers(ds: Dataset) -> bool:
     return type(_encoded_folder(ds)).__name__ == "DecodedImageFolder"
 
 
-def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, seed: int = 0) -> dict[str, Any]:
+def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, batch_size: int, seed: int = 0) -> dict[str, Any]:
     """DataLoader settings shared by the training and evaluation loaders of folder datasets. data.decode=gpu: the
     workers decode and augment on `device` (swin.gpu_data.DeviceCollate), spawned when that is a GPU (a forked
-    process cannot use CUDA); with a decoding thread they only read files. data.augment=gpu with CPU decoding: the
-    workers decode and pack each batch into one buffer, pinned here."""
+    process cannot use CUDA), and send each batch in a slot of a ring of shared buffers (swin.batch_ring, made
+    here); with a decoding thread they only read files. data.augment=gpu with CPU decoding: the workers decode and
+    pack each batch into one buffer, pinned here."""
     workers = cfg.get("num_workers", 0)
     settings = dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
                     persistent_workers=workers > 0)
@@ -527,16 +546,25 @@ def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, seed: int = 0)
         from .gpu_data import collate_encoded
         settings["collate_fn"] = collate_encoded
     elif encoded is not None:
-        from .gpu_data import DeviceCollate, mps_running
-        settings["collate_fn"] = DeviceCollate(device, encoded.device_transform, encoded.skip_corrupt, seed)
-        if device.type == "cuda" and workers > 0:
-            settings["multiprocessing_context"] = "spawn"
-            if not mps_running():
-                log.warning("data.decode=gpu: %d workers decode on the GPU, each in a CUDA context of its own, which "
-                            "the GPU time-slices with training unless MPS runs (no MPS daemon found): start "
-                            "`nvidia-cuda-mps-control -d` first (docs/data.md)", workers)
-        elif device.type == "cuda":  # decoded in this process: the batches are on the device already
-            settings["pin_memory"] = False
+        from .gpu_data import DeviceCollate, mps_running, transform_shape
+        ring = None
+        if workers > 0:
+            from .batch_ring import BatchRing
+            if device.type == "cuda":
+                settings["multiprocessing_context"] = "spawn"
+                if not mps_running():
+                    log.warning("data.decode=gpu: %d workers decode on the GPU, each in a CUDA context of its own, "
+                                "which the GPU time-slices with training unless MPS runs (no MPS daemon found): start "
+                                "`nvidia-cuda-mps-control -d` first (docs/data.md)", workers)
+            # every batch the DataLoader has in flight, plus the copies the consumer may not have finished
+            prefetch = settings["prefetch_factor"] = 2
+            slots = workers * prefetch + BatchRing.in_flight_limit + 1
+            ring = BatchRing(slots, batch_size, transform_shape(encoded.device_transform),
+                             settings.get("multiprocessing_context"))
+        # the ring is pinned and nothing else in a batch is worth a pinning thread; decoded in this process, the
+        # batches are on the device already
+        settings["pin_memory"] = False
+        settings["collate_fn"] = DeviceCollate(device, encoded.device_transform, encoded.skip_corrupt, seed, ring)
     return settings
 
 
@@ -568,5 +596,5 @@ def build_loaders(ds: Datasets, cfg: Any, device: torch.device, rank: int, world
         return SyntheticLoader(ds.train, micro_batch, device, train_norm, rank, world_size, seed, train=True), val
     sampler = ResumableDistributedSampler(ds.train, world_size, rank, shuffle=True, seed=seed)
     train = DataLoader(ds.train, batch_size=micro_batch, sampler=sampler, drop_last=True,
-                       **_worker_settings(cfg, device, ds.train, seed))
+                       **_worker_settings(cfg, device, ds.train, micro_batch, seed))
     return DeviceLoader(_decoding(train, cfg, device, ds.train, seed), device, train_norm, sampler), val

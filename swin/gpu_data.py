@@ -9,7 +9,8 @@ of small kernels, ~45 ms of host time per batch of 128 (H100 host, docs/benchmar
 time shares the GIL with the training loop (measured: training at 0.49x of its speed on synthetic data) and one
 process decodes at most ~6,400 img/s however many threads it uses. Each worker has its own CUDA context (spawned, as
 CUDA requires); the batch comes back through host memory (19 MB per 128 images at 224, a few ms of PCIe per batch)
-because a CUDA tensor shared across processes synchronises its receiver when freed.
+because a CUDA tensor shared across processes synchronises its receiver when freed: through a ring of shared,
+pinned buffers made once (swin.batch_ring), so that the training process receives a slot number per batch.
 
 Pieces, in the order a batch meets them (all in a worker process; in the training process with num_workers=0):
 
@@ -50,6 +51,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from .batch_ring import BatchRing, RingSlot
 from .data import CheckedImageFolder, readable, unreadable_image
 from .gpu_augment import EvalTransform, PackedImages, TrainTransform, indexed
 from .nvjpeg import HardwareJpegDecoder, open_hardware_decoder
@@ -346,25 +348,43 @@ class JpegDecoder:
         return kept, targets, batch.skipped + len(images) - len(keep), on_cpu
 
 
+def transform_shape(transform: TrainTransform | EvalTransform) -> tuple[int, int, int]:
+    """The (channels, height, width) of one image out of `transform` (RGB: nvJPEG and the CPU fallback decode
+    every file to 3 channels)."""
+    size = transform.spec.size
+    height, width = (size, size) if isinstance(size, int) else size
+    return 3, int(height), int(width)
+
+
 class DeviceCollate:
     """The ``collate_fn`` of data.decode=gpu loaders: a batch of :class:`EncodedImageFolder` samples decoded on
     ``device`` and transformed there (``transform``: swin.gpu_augment's TrainTransform or EvalTransform), as
     ``(uint8 images, targets, dropped files, paths decoded on the CPU)``; swin.data.DeviceLoader normalises and
-    counts them. In a worker process the images come back in host memory (shared with the training process, see
-    the module docstring); in the training process itself (num_workers=0) they stay on the device.
+    counts them. In a worker process the images come back in host memory shared with the training process: in a
+    slot of ``ring`` (swin.batch_ring, images and targets; the batch's first element is then its RingSlot, the
+    second None), else in a new shared tensor per batch; in the training process itself (num_workers=0) they stay
+    on the device.
 
     Random choices come from a generator seeded by ``seed`` and the batch's sample indices, which the sampler
     draws per epoch (and rank): the same batch gets the same augmentation after a resume mid-epoch."""
 
     def __init__(self, device: torch.device, transform: TrainTransform | EvalTransform, skip_corrupt: bool,
-                 seed: int = 0):
+                 seed: int = 0, ring: BatchRing | None = None):
         # with its index: a worker makes it its current device (set_device refuses a bare "cuda")
-        self.device, self.transform, self.seed = indexed(device), transform, seed
+        self.device, self.transform, self.seed, self.ring = indexed(device), transform, seed, ring
         self.decoder = JpegDecoder(self.device, skip_corrupt)
 
     def __call__(self, samples: Sequence[tuple[bytes | torch.Tensor, int, str, int] | None]
-                 ) -> tuple[torch.Tensor, torch.Tensor, int, list[str]]:
-        return self.transform_batch(collate_encoded(samples))
+                 ) -> tuple[torch.Tensor | RingSlot, torch.Tensor | None, int, list[str]]:
+        images, targets, skipped, on_cpu = self.transform_batch(collate_encoded(samples))
+        if get_worker_info() is None:
+            return images, targets, skipped, on_cpu
+        if self.ring is not None:  # the images and targets travel in a slot of the ring (swin.batch_ring)
+            return self.ring.put(images, targets), None, skipped, on_cpu
+        if images.device.type != "cpu":
+            # into shared memory directly (sending a worker's tensor moves it there otherwise: one more copy)
+            images = torch.empty(images.shape, dtype=images.dtype).share_memory_().copy_(images)
+        return images, targets, skipped, on_cpu
 
     def transform_batch(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor, int, list[str]]:
         """A collated batch of files decoded and transformed on the device (see the class)."""
@@ -386,11 +406,7 @@ class DeviceCollate:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         with torch.no_grad():
-            x = self.transform(images, np.random.default_rng([self.seed % 2**32, *indices]))
-        if get_worker_info() is not None and x.device.type != "cpu":
-            # into shared memory directly (sending a worker's tensor moves it there otherwise: one more copy)
-            x = torch.empty(x.shape, dtype=x.dtype).share_memory_().copy_(x)
-        return x
+            return self.transform(images, np.random.default_rng([self.seed % 2**32, *indices]))
 
 
 class DecodeThread:
@@ -506,6 +522,6 @@ def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
     return False
 
 
-__all__ = ["DecodeThread", "DecodedBatch", "DecodedImageFolder", "DeviceCollate", "EncodedBatch",
-           "EncodedImageFolder", "FILES_PER_CALL_BESIDE_STEP", "JpegDecoder", "collate_decoded", "collate_encoded",
-           "decode_on_cpu", "engines_take", "files_per_call", "jpeg_frame", "nvjpeg_can_decode"]
+__all__ = ["DecodeThread", "DecodedBatch", "DecodedImageFolder", "DeviceCollate", "EncodedBatch", "EncodedImageFolder",
+           "FILES_PER_CALL_BESIDE_STEP", "JpegDecoder", "collate_decoded", "collate_encoded", "decode_on_cpu",
+           "engines_take", "files_per_call", "jpeg_frame", "nvjpeg_can_decode", "transform_shape"]

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from scripts.make_imagefolder import make_image
 from swin import gpu_augment as ga
+from swin.batch_ring import BatchRing
 from swin.data import (
     CorruptImageError,
     DeviceLoader,
@@ -573,7 +574,10 @@ def _loader(root: Path, batch: int = 3, workers: int = 0, skip_corrupt: bool = F
     else:
         ds = EncodedImageFolder(root, ga.TrainTransform(spec), skip_corrupt)
     sampler = ResumableDistributedSampler(ds, 1, 0, shuffle=True, seed=3)
-    collate = DeviceCollate(torch.device("cpu"), ds.device_transform, skip_corrupt, seed=5)
+    # decoding workers send batches through a ring of shared buffers, as swin.data's loaders do
+    ring = BatchRing(workers * 2 + BatchRing.in_flight_limit + 1, batch, (3, 32, 32)) if workers and not thread \
+        else None
+    collate = DeviceCollate(torch.device("cpu"), ds.device_transform, skip_corrupt, seed=5, ring=ring)
     read = collate_decoded if thread == "decoded" else collate_encoded
     dl = DataLoader(ds, batch_size=batch, sampler=sampler, drop_last=True, num_workers=workers,
                     collate_fn=read if thread else collate, persistent_workers=workers > 0)
@@ -632,12 +636,17 @@ def test_gpu_decode_workers_get_an_indexed_device_and_spawn(monkeypatch, tmp_pat
     (tmp_path / "c0" / "a.JPEG").write_bytes(b"never read")
     ds = EncodedImageFolder(tmp_path, ga.TrainTransform(ga.TrainSpec((8, 8))), skip_corrupt=False)
     cfg = {"num_workers": 4}
-    spawned = _worker_settings(cfg, torch.device("cuda", 0), ds)
-    assert spawned["multiprocessing_context"] == "spawn" and spawned["pin_memory"]
-    assert isinstance(spawned["collate_fn"], DeviceCollate)
-    in_process = _worker_settings({"num_workers": 0}, torch.device("cuda", 0), ds)
+    spawned = _worker_settings(cfg, torch.device("cuda", 0), ds, batch_size=16)
+    assert spawned["multiprocessing_context"] == "spawn" and not spawned["pin_memory"]  # the ring is pinned
+    ring = spawned["collate_fn"].ring
+    assert isinstance(spawned["collate_fn"], DeviceCollate) and isinstance(ring, BatchRing)
+    # the DataLoader's batches in flight (2 per worker) and the consumer's unfinished copies
+    assert ring.images.shape == (4 * 2 + BatchRing.in_flight_limit + 1, 16, 3, 8, 8) and ring.images.is_shared()
+    assert spawned["prefetch_factor"] == 2
+    in_process = _worker_settings({"num_workers": 0}, torch.device("cuda", 0), ds, batch_size=16)
     assert not in_process["pin_memory"] and "multiprocessing_context" not in in_process
-    assert "multiprocessing_context" not in _worker_settings(cfg, torch.device("cpu"), ds)
+    assert in_process["collate_fn"].ring is None
+    assert "multiprocessing_context" not in _worker_settings(cfg, torch.device("cpu"), ds, batch_size=16)
 
 
 def test_gpu_decode_workers_say_when_no_mps_daemon_runs(monkeypatch, tmp_path, caplog):
@@ -654,8 +663,8 @@ def test_gpu_decode_workers_say_when_no_mps_daemon_runs(monkeypatch, tmp_path, c
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe))
     assert not mps_running()
     with caplog.at_level("WARNING", logger="swin.data"):
-        _worker_settings({"num_workers": 3}, torch.device("cuda", 0), ds)
-        _worker_settings({"num_workers": 0}, torch.device("cuda", 0), ds)  # decodes in this process: no contexts
+        _worker_settings({"num_workers": 3}, torch.device("cuda", 0), ds, 4)
+        _worker_settings({"num_workers": 0}, torch.device("cuda", 0), ds, 4)  # decodes in this process: no contexts
     assert len(caplog.records) == 1 and "nvidia-cuda-mps-control -d" in caplog.text and "3 workers" in caplog.text
     (pipe / "control").touch()  # a daemon's sockets stay after it quits: its pid file goes
     (pipe / "nvidia-cuda-mps-control.pid").write_text("999999999")  # no such process
@@ -664,7 +673,7 @@ def test_gpu_decode_workers_say_when_no_mps_daemon_runs(monkeypatch, tmp_path, c
     assert mps_running()
     caplog.clear()
     with caplog.at_level("WARNING", logger="swin.data"):
-        _worker_settings({"num_workers": 3}, torch.device("cuda", 0), ds)
+        _worker_settings({"num_workers": 3}, torch.device("cuda", 0), ds, 4)
     assert not caplog.records
 
 

@@ -1,0 +1,160 @@
+"""Batches from loader workers through a ring of shared, pinned buffers, not one new shared tensor per batch.
+
+A tensor a DataLoader worker returns the default way costs the training process, per batch: a new shared-memory
+segment whose file descriptor it receives over a socket (Python code, in the DataLoader's pin-memory thread), a copy
+into pinned memory, and an munmap when the batch is freed; the Python parts and the unmapping hold the GIL that the
+training loop needs (py-spy on the H100 machine: the pin-memory thread held the GIL a third of the time the
+training thread did, docs/benchmarks.md). Here the training process allocates the ring's slots once, the workers
+get them when they start (inherited or sent once, like any tensor in a worker's arguments), every process that
+copies to or from them pins them (``cudaHostRegister``), and a batch travels as a slot number.
+
+Protocol: a worker takes a free slot from the ring's queue (blocking), writes the batch and its targets there and
+returns a :class:`RingSlot`; unpickled in the training process it becomes a :class:`ReceivedBatch`, which copies the
+slot to the device (asynchronously from pinned memory, an event recorded after it) and gives the slot back once
+that copy has finished (:meth:`ReceivedBatch.release`, or when it is garbage-collected: batches a DataLoader drops
+when an epoch is abandoned are given back too). Slots: the DataLoader's batches in flight plus
+``in_flight_limit`` copies the consumer may leave unfinished, so a worker always finds one in the end.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import queue
+import weakref
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_rings: weakref.WeakValueDictionary[str, BatchRing] = weakref.WeakValueDictionary()
+_ids = itertools.count()
+
+
+def _unregister(pointers: list[int]) -> None:
+    for ptr in pointers:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class BatchRing:
+    """``slots`` buffers of ``batch`` uint8 images of ``image_shape`` and their int64 targets, in shared memory,
+    with a queue of the free ones. ``context``: the DataLoader's multiprocessing context (its queue must be of the
+    same start method)."""
+
+    in_flight_limit = 6  # copies a consumer may leave unfinished before it waits for the oldest
+
+    def __init__(self, slots: int, batch: int, image_shape: tuple[int, ...], context: Any = None):
+        if slots < 1 or batch < 1:
+            raise ValueError(f"a batch ring needs at least one slot of one image (slots={slots}, batch={batch})")
+        self.id = f"{os.getpid()}-{next(_ids)}"
+        self.images = torch.empty((slots, batch, *image_shape), dtype=torch.uint8).share_memory_()
+        self.targets = torch.empty((slots, batch), dtype=torch.int64).share_memory_()
+        self.free = multiprocessing.get_context(context).Queue()
+        for k in range(slots):
+            self.free.put(k)
+        self._pinned_in: int | None = None  # the pid that registered the memory with CUDA
+        _rings[self.id] = self
+
+    @property
+    def slots(self) -> int:
+        return self.images.shape[0]
+
+    def pin(self) -> None:
+        """Page-lock the slots for this process's CUDA context, once (asynchronous copies from and to them); if the
+        driver refuses, a warning, and the copies stay synchronous (still correct)."""
+        if self._pinned_in == os.getpid():
+            return
+        self._pinned_in = os.getpid()
+        cudart, pinned = torch.cuda.cudart(), []
+        for t in (self.images, self.targets):
+            err = cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)
+            if err != 0:
+                log.warning("could not pin the loader's batch ring (cudaHostRegister: %s): its copies stay synchronous",
+                            err)
+                break
+            pinned.append(t.data_ptr())
+        # unregistered before the memory is unmapped (a later mapping at that address could not be registered)
+        weakref.finalize(self, _unregister, pinned)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pinned_in": None}  # a spawned worker pins for its own context
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _rings[self.id] = self
+
+    def put(self, images: torch.Tensor, targets: torch.Tensor, timeout_s: float = 600.0) -> RingSlot:
+        """(In a worker.) Write a batch into a free slot, waiting for one; the slot's number, to return instead."""
+        n, (most, *shape) = images.shape[0], self.images.shape[1:]
+        if list(images.shape[1:]) != shape or n > most or images.dtype != torch.uint8:
+            raise ValueError(f"a batch of {tuple(images.shape)} {images.dtype} images does not fit the loader's "
+                             f"batch ring (up to {most} uint8 images of {tuple(shape)})")
+        if images.is_cuda:
+            self.pin()
+        try:
+            slot = self.free.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RuntimeError(f"no free slot in the loader's batch ring for {timeout_s:.0f} s: the training process "
+                               "stopped giving batches back") from None
+        try:
+            self.images[slot, :n].copy_(images)  # from the device: synchronous, done when this returns
+            self.targets[slot, :n].copy_(targets)
+        except BaseException:
+            self.free.put(slot)
+            raise
+        return RingSlot(self.id, slot, n)
+
+
+class RingSlot:
+    """What a worker returns for a batch in a ring slot: a few pickled bytes. Unpickled, a ReceivedBatch."""
+
+    def __init__(self, ring_id: str, slot: int, n: int):
+        self.ring_id, self.slot, self.n = ring_id, slot, n
+
+    def __reduce__(self) -> tuple:
+        return ReceivedBatch, (self.ring_id, self.slot, self.n)
+
+
+class ReceivedBatch:
+    """(In the training process.) A batch in a slot of a ring this process made; gives the slot back once its copy
+    is done (:meth:`release`, or when collected)."""
+
+    def __init__(self, ring_id: str, slot: int, n: int):
+        ring = _rings.get(ring_id)
+        if ring is None:
+            raise RuntimeError(f"a batch arrived for the loader's batch ring {ring_id}, which this process no longer "
+                               "has")
+        self.ring, self.slot, self.n = ring, slot, n
+        self.copied: torch.cuda.Event | None = None
+        self.released = False
+
+    def to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(images, targets) on `device`, queued on the current stream; on the CPU, copies of the slot."""
+        images, targets = self.ring.images[self.slot, :self.n], self.ring.targets[self.slot, :self.n]
+        if torch.device(device).type != "cuda":
+            return images.clone(), targets.clone()
+        self.ring.pin()
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return images, targets
+
+    def done(self) -> bool:
+        """Whether the slot can be given back without waiting (its copy finished, or none was made)."""
+        return self.copied is None or self.copied.query()
+
+    def release(self) -> None:
+        """Give the slot back, after waiting for its copy if it is still running."""
+        if not self.released:
+            self.released = True
+            if self.copied is not None:
+                self.copied.synchronize()
+            self.ring.free.put(self.slot)
+
+    def __del__(self) -> None:
+        if hasattr(self, "released"):  # not when __init__ raised
+            with contextlib.suppress(ValueError, OSError):  # the queue closed: the ring is going away too
+                self.release()
