@@ -55,14 +55,15 @@ class TimedLoader:
             yield batch
 
 
-def summary(prof: torch.profiler.profile, steps: int, wall: float, wait: float, loader_wait: float) -> dict:
+def summary(prof: torch.profiler.profile, steps: int, wall: float, wait: float, loader_wait: float | None) -> dict:
     """Per step (ms): the window's wall time, data wait, DataLoader wait, and this process's GPU work: summed
     kernel time, busy time (union of the kernel intervals) and the span from the first kernel to the last."""
     kernels = device_kernels(prof.events())
     intervals = [(k.time_range.start, k.time_range.end) for k in kernels]
     span = max(e for _, e in intervals) - min(s for s, _ in intervals) if intervals else 0.0
     ms = 1e3 / steps
-    return {"steps": steps, "wall_ms": wall * ms, "data_wait_ms": wait * ms, "dataloader_next_ms": loader_wait * ms,
+    return {"steps": steps, "wall_ms": wall * ms, "data_wait_ms": wait * ms,
+            "dataloader_next_ms": None if loader_wait is None else loader_wait * ms,
             "kernel_ms": sum(e - s for s, e in intervals) / 1e3 / steps,
             "busy_ms": busy_union_us(intervals) / 1e3 / steps, "span_ms": span / 1e3 / steps,
             "top_kernels": top_kernels_table(kernels, steps, 30)}
@@ -71,6 +72,11 @@ def summary(prof: torch.profiler.profile, steps: int, wall: float, wait: float, 
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _loader_seconds(state: dict[str, Any]) -> float:
+    """Seconds the training DataLoader has taken to hand out batches so far (0 without one: data=synthetic)."""
+    return 0.0 if state["train_loader"] is None else state["train_loader"].seconds
 
 
 def install_hooks(start: int, stop: int, json_path: str | None) -> dict[str, Any]:
@@ -91,14 +97,14 @@ def install_hooks(start: int, stop: int, json_path: str | None) -> dict[str, Any
             torch.profiler.ProfilerActivity.CPU  # on the CPU: no kernels, the host split alone
         state["prof"] = torch.profiler.profile(activities=[activity])
         state["prof"].__enter__()
-        state.update(clock=clock, t0=time.perf_counter(), loader0=state["train_loader"].seconds)
+        state.update(clock=clock, t0=time.perf_counter(), loader0=_loader_seconds(state))
 
     def end(clock) -> None:
         _sync()
         wall = time.perf_counter() - state["t0"]
         state["prof"].__exit__(None, None, None)
-        result = summary(state["prof"], stop - start, wall, state["wait"],
-                         state["train_loader"].seconds - state["loader0"])
+        loader_wait = None if state["train_loader"] is None else _loader_seconds(state) - state["loader0"]
+        result = summary(state["prof"], stop - start, wall, state["wait"], loader_wait)
         # swin.engine makes a new EpochClock per epoch: a window across an epoch's end also times its evaluation
         result["crosses_epoch_end"] = clock is not state["clock"]
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
