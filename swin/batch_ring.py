@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
+import math
 import multiprocessing
 import os
 import queue
+import shutil
+import sys
+import threading
 import weakref
 from typing import Any
 
 import torch
-
-log = logging.getLogger(__name__)
 
 _rings: weakref.WeakValueDictionary[str, BatchRing] = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -37,6 +38,19 @@ _ids = itertools.count()
 def _unregister(pointers: list[int]) -> None:
     for ptr in pointers:
         torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _check_shared_memory(nbytes: int, where: str = "/dev/shm") -> None:
+    """A clear error instead of a SIGBUS later when the ring cannot fit in shared memory (a container's default
+    /dev/shm is 64 MB)."""
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:  # no such file system here: shared memory lives elsewhere
+        return
+    if free < nbytes:
+        raise RuntimeError(f"the loader's batch ring needs {nbytes / 2**20:,.0f} MiB of shared memory and {where} has "
+                           f"{free / 2**20:,.0f} MiB free: give it more (docker run --shm-size=...), or lower "
+                           "data.num_workers or the batch size")
 
 
 class BatchRing:
@@ -50,41 +64,65 @@ class BatchRing:
         if slots < 1 or batch < 1:
             raise ValueError(f"a batch ring needs at least one slot of one image (slots={slots}, batch={batch})")
         self.id = f"{os.getpid()}-{next(_ids)}"
+        _check_shared_memory(slots * batch * (math.prod(image_shape) + 8))
         self.images = torch.empty((slots, batch, *image_shape), dtype=torch.uint8).share_memory_()
         self.targets = torch.empty((slots, batch), dtype=torch.int64).share_memory_()
         self.free = multiprocessing.get_context(context).Queue()
         for k in range(slots):
             self.free.put(k)
         self._pinned_in: int | None = None  # the pid that registered the memory with CUDA
+        self._process_local()
         _rings[self.id] = self
+
+    def _process_local(self) -> None:
+        self._giving_back = threading.local()  # see give_back
+        self._deferred: list[int] = []
 
     @property
     def slots(self) -> int:
         return self.images.shape[0]
 
     def pin(self) -> None:
-        """Page-lock the slots for this process's CUDA context, once (asynchronous copies from and to them); if the
-        driver refuses, a warning, and the copies stay synchronous (still correct)."""
+        """Page-lock the slots for this process's CUDA context, once (asynchronous copies from and to them). A
+        refusal is an error: it would also stay behind as CUDA's last error and fail an unrelated later launch."""
         if self._pinned_in == os.getpid():
             return
-        self._pinned_in = os.getpid()
         cudart, pinned = torch.cuda.cudart(), []
         for t in (self.images, self.targets):
             err = cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)
             if err != 0:
-                log.warning("could not pin the loader's batch ring (cudaHostRegister: %s): its copies stay synchronous",
-                            err)
-                break
+                _unregister(pinned)
+                raise RuntimeError(
+                    f"could not page-lock the loader's batch ring ({self.images.nbytes / 2**20:,.0f} MiB; "
+                    f"cudaHostRegister: {cudart.cudaGetErrorString(err)}): raise the locked-memory limit "
+                    "(ulimit -l), or lower data.num_workers or the batch size")
             pinned.append(t.data_ptr())
+        self._pinned_in = os.getpid()
         # unregistered before the memory is unmapped (a later mapping at that address could not be registered)
         weakref.finalize(self, _unregister, pinned)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pinned_in": None}  # a spawned worker pins for its own context
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_giving_back", "_deferred")}
+        return {**state, "_pinned_in": None}  # a spawned worker pins for its own context
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        _rings[self.id] = self
+        self._process_local()
+        _rings.setdefault(self.id, self)
+
+    def give_back(self, slot: int) -> None:
+        """Put `slot` back in the free queue. The queue's lock is not reentrant: a batch the garbage collector
+        releases while this thread is inside give_back already has its slot put back by that outer call."""
+        if getattr(self._giving_back, "active", False):
+            self._deferred.append(slot)
+            return
+        self._giving_back.active = True
+        try:
+            self.free.put(slot)
+            while self._deferred:
+                self.free.put(self._deferred.pop())
+        finally:
+            self._giving_back.active = False
 
     def put(self, images: torch.Tensor, targets: torch.Tensor, timeout_s: float = 600.0) -> RingSlot:
         """(In a worker.) Write a batch into a free slot, waiting for one; the slot's number, to return instead."""
@@ -92,6 +130,8 @@ class BatchRing:
         if list(images.shape[1:]) != shape or n > most or images.dtype != torch.uint8:
             raise ValueError(f"a batch of {tuple(images.shape)} {images.dtype} images does not fit the loader's "
                              f"batch ring (up to {most} uint8 images of {tuple(shape)})")
+        if tuple(targets.shape) != (n,):
+            raise ValueError(f"a batch of {n} images came with targets of shape {tuple(targets.shape)}, not ({n},)")
         if images.is_cuda:
             self.pin()
         try:
@@ -103,7 +143,7 @@ class BatchRing:
             self.images[slot, :n].copy_(images)  # from the device: synchronous, done when this returns
             self.targets[slot, :n].copy_(targets)
         except BaseException:
-            self.free.put(slot)
+            self.give_back(slot)
             raise
         return RingSlot(self.id, slot, n)
 
@@ -137,10 +177,11 @@ class ReceivedBatch:
         if torch.device(device).type != "cuda":
             return images.clone(), targets.clone()
         self.ring.pin()
-        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
-        return images, targets
+        try:
+            return images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        finally:  # whatever was queued: the slot goes back only after it
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
     def done(self) -> bool:
         """Whether the slot can be given back without waiting (its copy finished, or none was made)."""
@@ -152,9 +193,10 @@ class ReceivedBatch:
             self.released = True
             if self.copied is not None:
                 self.copied.synchronize()
-            self.ring.free.put(self.slot)
+            self.ring.give_back(self.slot)
 
     def __del__(self) -> None:
-        if hasattr(self, "released"):  # not when __init__ raised
-            with contextlib.suppress(ValueError, OSError):  # the queue closed: the ring is going away too
+        # not when __init__ raised, nor while the interpreter shuts down (the ring and CUDA are going away too)
+        if hasattr(self, "released") and not sys.is_finalizing():
+            with contextlib.suppress(ValueError, OSError, RuntimeError):  # a closed queue, CUDA torn down
                 self.release()
