@@ -375,6 +375,49 @@ def augment_profile(jpegs: list[bytes], batches: int = 8, top: int = 15) -> str:
                       "wall (profiled)\n", "| kernel | per batch | GPU ms per batch |", "|---|---|---|", *rows])
 
 
+def worker_profile(jpegs: list[bytes], batches: int = 8, top: int = 20, engines: bool = False) -> str:
+    """GPU work per batch of what one data.decode=gpu loader worker runs (swin.gpu_data.DeviceCollate: one nvJPEG
+    call for the batch, the recipe's augmentation, the copy into a page-locked host buffer as into a slot of
+    swin.batch_ring), by kernel and copy: what the workers put on the GPU beside the training step. engines: decode
+    with swin.nvjpeg's decoder on the JPEG engines (planar RGB out), as the decoding thread does, not torchvision's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from swin.gpu_data import DeviceCollate, collate_encoded
+    from swin.nvjpeg import open_hardware_decoder
+    collate = DeviceCollate(torch.device("cuda"), train_transform(), skip_corrupt=False)
+    if engines:
+        collate.decoder.engines = open_hardware_decoder(collate.device, len(jpegs))
+        if collate.decoder.engines is None:
+            return "no JPEG engines on this GPU (or no libnvjpeg): nothing to profile with --engines"
+    batch = collate_encoded([(j, k % 10, f"{k}.JPEG", k) for k, j in enumerate(jpegs)])
+    host = torch.empty((len(jpegs), 3, 224, 224), dtype=torch.uint8).pin_memory()
+
+    def one_batch() -> None:
+        images, *_ = collate.decoder(batch, 0)  # a worker decodes the batch in one call (files_per_call)
+        host.copy_(collate.augment(images, batch.indices))
+
+    for _ in range(3):
+        one_batch()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(batches):
+            one_batch()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / batches * 1e3
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    copies = sum(e.self_device_time_total for e in kernels if e.key.startswith("Memcpy")) / batches / 1e3
+    total = sum(e.self_device_time_total for e in kernels) / batches / 1e3
+    rows = [f"| {e.key[:70]} | {e.count / batches:.1f} | {e.self_device_time_total / batches / 1e3:.3f} |"
+            for e in kernels[:top]]
+    decoder = "swin.nvjpeg on the JPEG engines" if engines else "torchvision's nvJPEG"
+    kb = np.mean([len(j) for j in jpegs]) / 1e3
+    head = (f"one worker's batch of {len(jpegs)} ({decoder}, {kb:.0f} KB files) alone: {total:.2f} ms of GPU time, "
+            f"of which copies {copies:.2f} ms; {wall:.1f} ms wall (profiled)\n")
+    return "\n".join([head, "| kernel or copy | per batch | GPU ms per batch |", "|---|---|---|", *rows])
+
+
 def api_calls(prof, top: int = 12) -> str:
     """The CUDA runtime/driver calls of every thread (CUPTI sees them all), by total time, as a table."""
     calls = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu")) and e.count]
@@ -405,12 +448,16 @@ def main() -> None:
     parser.add_argument("--torch-augment", action="store_true", help="the augmentation's PyTorch path (per-image "
                         "crops, per-op slices) instead of its kernels")
     parser.add_argument("--augment-profile", action="store_true", help="only the augmentation's GPU time per batch")
+    parser.add_argument("--worker-profile", action="store_true", help="only a decoding worker's GPU time per batch "
+                        "(decode, augmentation, copy to the host)")
+    parser.add_argument("--engines", action="store_true", help="--worker-profile with swin.nvjpeg's decoder on the "
+                        "JPEG engines instead of torchvision's")
     args = parser.parse_args()
     global AUGMENT_KERNELS
     AUGMENT_KERNELS = not args.torch_augment
     jpegs = make_jpegs(args.jpegs)
-    if args.augment_profile:
-        print(augment_profile(jpegs))
+    if args.augment_profile or args.worker_profile:
+        print(augment_profile(jpegs) if args.augment_profile else worker_profile(jpegs, engines=args.engines))
         return
     graph = step_graph(args.step)
     alone = step_ms(graph, args.seconds)
