@@ -71,8 +71,8 @@ case "${1:-}" in
       tests/test_merge_norm.py \
       -k "flash or gpu or autocast" 2>&1 \
       | tee "$OUT/gpu_tests.txt"
-    # the training step never syncs (CUDA sync debug mode), the side-stream loader keeps batches intact
-    python -m pytest -q -m gpu tests/test_train_guard.py tests/test_data.py 2>&1 | tee "$OUT/gpu_loop_tests.txt" ;;
+    # the training step never syncs (CUDA sync debug mode), the side-stream loader and the batch ring keep batches intact
+    python -m pytest -q -m gpu tests/test_train_guard.py tests/test_data.py tests/test_batch_ring.py 2>&1 | tee "$OUT/gpu_loop_tests.txt" ;;
   kernel)
     # the paper's kernel (github.com/zzd1992/FlashWindowAttention) is a row where it is carried in .paper/
     export FWA_PAPER_PATH=$PWD/.paper
@@ -166,7 +166,7 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
   data)
     # each part bounded so that the stage fits one 10-minute call: tests <= 90 s, the benchmark <= 470 s (rows not
     # started after DATA_BUDGET_S are skipped; a running train.py/eval.py is stopped at the budget); ~6-7 min expected
-    timeout 90 python -m pytest -q -m gpu --durations=5 tests/test_gpu_data.py tests/test_data.py 2>&1 \
+    timeout 90 python -m pytest -q -m gpu --durations=5 tests/test_gpu_data.py tests/test_data.py tests/test_batch_ring.py 2>&1 \
       | tee "$OUT/gpu_data_tests.txt"
     # the batched crop kernel on CUDA (its CPU tests run it in the interpreter; the pipeline uses it only once these pass)
     timeout 60 python -m pytest -q -k crop_resize tests/test_gpu_data.py 2>&1 | tee -a "$OUT/gpu_data_tests.txt"
