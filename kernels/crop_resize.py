@@ -23,7 +23,8 @@ from .ops import launch_direct
 
 # per-image mode ids (swin.gpu_augment.MODES order)
 BILINEAR, BICUBIC, NEAREST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-META = tl.constexpr(9)  # int64 per image: offset, H, W, top, left, crop h, crop w, mode, offset in the row buffer
+# int64 per image: offset, H, W, top, left, crop h, crop w, mode, offset in the row buffer, mirrored (0 or 1)
+META = tl.constexpr(10)
 
 
 @triton.jit
@@ -100,10 +101,12 @@ def crop_resize_rows_kernel(src_ptr, meta_ptr, rows_ptr, OUT_W, BLOCK_R: tl.cons
 @triton.jit(do_not_specialize=["OUT_H", "OUT_W"])
 def crop_resize_cols_kernel(rows_ptr, meta_ptr, out_ptr, OUT_H, OUT_W, BLOCK_I: tl.constexpr,
                             BLOCK_W: tl.constexpr):
-    """out[image, channel, i, j]: the row buffer resized to OUT_H rows, rounded and clamped to uint8."""
+    """out[image, channel, i, j]: the row buffer resized to OUT_H rows, rounded and clamped to uint8; a mirrored
+    image's columns stored right to left (the horizontal flip, which commutes with the resize)."""
     image, channel = tl.program_id(0) // 3, tl.program_id(0) % 3
     meta = meta_ptr + image * META
     crop_h, mode, rows_offset = tl.load(meta + 5).to(tl.int32), tl.load(meta + 7).to(tl.int32), tl.load(meta + 8)
+    mirrored = tl.load(meta + 9) != 0
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     j = tl.arange(0, BLOCK_W)
     live = (i < OUT_H)[:, None] & (j < OUT_W)[None, :]
@@ -120,22 +123,24 @@ def crop_resize_cols_kernel(rows_ptr, meta_ptr, out_ptr, OUT_H, OUT_W, BLOCK_I: 
     down = tl.floor(value)
     frac = value - down  # round half to even, as torch.round
     value = down + tl.where(frac > 0.5, 1.0, tl.where(frac < 0.5, 0.0, down - 2.0 * tl.floor(down * 0.5)))
-    out = out_ptr + (image * 3 + channel).to(tl.int64) * OUT_H * OUT_W + i[:, None] * OUT_W + j[None, :]
+    column = tl.where(mirrored, OUT_W - 1 - j, j)
+    out = out_ptr + (image * 3 + channel).to(tl.int64) * OUT_H * OUT_W + i[:, None] * OUT_W + column[None, :]
     tl.store(out, tl.minimum(tl.maximum(value, 0.0), 255.0).to(tl.uint8), mask=live)
 
 
-def crop_resize(images: list[torch.Tensor], boxes: np.ndarray, modes: np.ndarray, size: tuple[int, int]
-                ) -> torch.Tensor:
+def crop_resize(images: list[torch.Tensor], boxes: np.ndarray, modes: np.ndarray, size: tuple[int, int],
+                flips: np.ndarray | None = None) -> torch.Tensor:
     """(B, 3, *size) uint8: box (top, left, height, width) of each (3, H_i, W_i) uint8 image, resized with its mode
-    (0 bilinear, 1 bicubic: antialiased; 2 nearest-exact)."""
+    (0 bilinear, 1 bicubic: antialiased; 2 nearest-exact), and mirrored left to right where ``flips`` is true."""
     if any(img.dim() != 3 or img.shape[0] != 3 or img.dtype != torch.uint8 for img in images):
         raise ValueError("crop_resize takes (3, H, W) uint8 images")
     shapes = np.array([img.shape[1:] for img in images], dtype=np.int64).reshape(len(images), 2)
-    return crop_resize_packed(torch.cat([img.reshape(-1) for img in images]), shapes, boxes, modes, size)
+    return crop_resize_packed(torch.cat([img.reshape(-1) for img in images]), shapes, boxes, modes, size, flips=flips)
 
 
 def crop_resize_packed(pixels: torch.Tensor, shapes: np.ndarray, boxes: np.ndarray, modes: np.ndarray,
-                       size: tuple[int, int], channels_last: bool = False) -> torch.Tensor:
+                       size: tuple[int, int], channels_last: bool = False, flips: np.ndarray | None = None
+                       ) -> torch.Tensor:
     """crop_resize of images stored back to back in one flat uint8 tensor, each (3, H_i, W_i) contiguous or, with
     ``channels_last``, (H_i, W_i, 3) contiguous (as libjpeg-turbo decodes), with ``shapes[i] = (H_i, W_i)``: what
     loader workers that decode on the CPU send (no per-image tensors to pack)."""
@@ -152,8 +157,9 @@ def crop_resize_packed(pixels: torch.Tensor, shapes: np.ndarray, boxes: np.ndarr
             or (left + w > widths).any():
         raise ValueError("crop_resize: every box (top, left, height, width) must lie inside its image")
     row_sizes = 3 * boxes[:, 2] * out_w
+    mirrored = np.zeros(n, dtype=np.int64) if flips is None else np.asarray(flips, dtype=np.int64).reshape(n)
     meta = np.stack([np.cumsum(pixel_counts) - pixel_counts, heights, widths, top, left, h, w,
-                     np.asarray(modes, dtype=np.int64), np.cumsum(row_sizes) - row_sizes], axis=1)
+                     np.asarray(modes, dtype=np.int64), np.cumsum(row_sizes) - row_sizes, mirrored], axis=1)
     assert meta.shape[1] == META
     meta_t = torch.from_numpy(meta)
     # pinned and asynchronous: a copy from pageable memory would make the caller's thread wait for its stream

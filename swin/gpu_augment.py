@@ -5,9 +5,9 @@ host draws every random choice of a batch at once (numpy, a generator seeded per
 flips, and for each image its RandAugment ops and magnitudes (or colour-jitter factors). The device then
 
 1. crops and resizes every decoded image to the model's size (the images have different sizes), antialiased as PIL
-   resizes, rounded to uint8 as PIL stores it: kernels.crop_resize, two launches for the batch;
-2. flips the selected images of the uint8 batch;
-3. runs each augmentation layer over the whole batch in four launches (kernels.rand_augment: each image's op and
+   resizes, rounded to uint8 as PIL stores it, and mirrors the images drawn for a flip: kernels.crop_resize, two
+   launches for the batch (PyTorch ops: a flip of the uint8 batch after the crops);
+2. runs each augmentation layer over the whole batch in four launches (kernels.rand_augment: each image's op and
    arguments come from a table).
 
 The same steps in PyTorch ops (``TrainTransform(kernels=False)``, the default on the CPU without the Triton
@@ -593,25 +593,25 @@ class TrainTransform:
         return x
 
     def _apply_kernels(self, images: Sequence[torch.Tensor] | PackedImages, plan: BatchPlan) -> torch.Tensor:
-        """apply() in kernels: crops (two launches), flips (one), and per layer four launches whatever its ops."""
+        """apply() in kernels: crops and flips (two launches), and per layer four launches whatever its ops."""
         if any(((ops < 0) | (ops >= NUM_OPS)).any() for ops, _ in plan.layers):
             raise ValueError(f"augmentation op ids must lie in 0..{NUM_OPS - 1}")
         if isinstance(images, PackedImages):
             x = crop_resize_packed(images.pixels, images.shapes, plan.boxes, plan.modes, self.spec.size,
-                                   channels_last=True)
+                                   channels_last=True, flips=plan.flips)
         else:
-            x = crop_resize(list(images), plan.boxes, plan.modes, self.spec.size)
+            x = crop_resize(list(images), plan.boxes, plan.modes, self.spec.size, flips=plan.flips)
+        if not plan.layers:
+            return x
         device = x.device
         fill = self.to(device)._consts[device]["fill"].view(3)
         n = x.shape[0]
-        # one host-to-device copy: the flips, then per layer the op ids (exact in float32) and the arguments
-        params = _to_device(np.concatenate([plan.flips.astype(np.float32)] + [
+        # one host-to-device copy: per layer the op ids (exact in float32) and the arguments
+        params = _to_device(np.concatenate([
             np.concatenate([ops.astype(np.float32), args.astype(np.float32).reshape(-1)]) for ops, args in plan.layers
         ]), device)
-        if plan.flips.any():
-            x = torch.where(_col(params[:n] > 0.5), x.flip(-1), x)
         for k in range(len(plan.layers)):
-            at = n + k * n * (1 + ARGS)
+            at = k * n * (1 + ARGS)
             x = augment_layer(x, params[at:at + n].to(torch.int32), params[at + n:at + n * (1 + ARGS)].view(n, ARGS),
                               fill)
         return x

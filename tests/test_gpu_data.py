@@ -206,6 +206,13 @@ def test_batched_crop_resize_matches_interpolate_per_image(photos, size):
     packed = ga.PackedImages.pack([img.cpu() for img in images]).to(device)
     assert all(torch.equal(a, b) for a, b in zip(packed.unpack(), images))
     assert torch.equal(crop_resize_packed(packed.pixels, packed.shapes, boxes, modes, size, channels_last=True), got)
+    # flips in the same launches: exactly the crops mirrored (the horizontal flip commutes with the resize)
+    flips = np.arange(len(images)) % 2 == 1
+    rng.shuffle(flips)
+    mirrored = torch.where(torch.from_numpy(flips).to(device).view(-1, 1, 1, 1), got.flip(-1), got)
+    assert torch.equal(crop_resize(images, boxes, modes, size, flips=flips), mirrored)
+    assert torch.equal(crop_resize_packed(packed.pixels, packed.shapes, boxes, modes, size, channels_last=True,
+                                          flips=flips), mirrored)
 
 
 @pytest.mark.gpu
