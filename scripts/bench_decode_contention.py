@@ -346,10 +346,31 @@ def beside_pipelined(jpegs: list[bytes], graph, seconds: float, chunk: int, deco
     return ms, rate
 
 
+def _profile_batches(one_batch: Callable[[], object], batches: int, top: int) -> tuple[float, float, float, list[str]]:
+    """3 warm-up calls of `one_batch`, then `batches` under torch.profiler: GPU ms per batch (all, and of it the
+    copies), wall ms per batch, and the `top` kernels and copies by GPU time as markdown table rows."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        one_batch()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(batches):
+            one_batch()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / batches * 1e3
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in kernels) / batches / 1e3
+    copies = sum(e.self_device_time_total for e in kernels if e.key.startswith("Memcpy")) / batches / 1e3
+    rows = [f"| {e.key[:70]} | {e.count / batches:.1f} | {e.self_device_time_total / batches / 1e3:.3f} |"
+            for e in kernels[:top]]
+    return total, copies, wall, rows
+
+
 def augment_profile(jpegs: list[bytes], batches: int = 8, top: int = 15) -> str:
     """GPU time per batch of the crop / flip / RandAugment stage alone (decoded images in hand), by kernel, and its
     host time: what the augmentation would take from a step it runs beside."""
-    from torch.profiler import ProfilerActivity, profile
     from torchvision.io import ImageReadMode, decode_jpeg
 
     from swin.gpu_data import FILES_PER_CALL_BESIDE_STEP as per_call
@@ -357,20 +378,7 @@ def augment_profile(jpegs: list[bytes], batches: int = 8, top: int = 15) -> str:
     images = [img for i in range(0, len(jpegs), per_call) for img in decode_jpeg(
         [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in jpegs[i:i + per_call]], mode=ImageReadMode.RGB,
         device="cuda")]
-    for _ in range(3):
-        transform(images, rng)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(batches):
-            transform(images, rng)
-        torch.cuda.synchronize()
-    host = (time.perf_counter() - start) / batches * 1e3
-    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    total = sum(e.self_device_time_total for e in kernels) / batches / 1e3
-    rows = [f"| {e.key[:70]} | {e.count / batches:.1f} | {e.self_device_time_total / batches / 1e3:.3f} |"
-            for e in kernels[:top]]
+    total, _, host, rows = _profile_batches(lambda: transform(images, rng), batches, top)
     return "\n".join([f"augmentation of a batch of {len(jpegs)} alone: {total:.2f} ms of GPU time, {host:.1f} ms "
                       "wall (profiled)\n", "| kernel | per batch | GPU ms per batch |", "|---|---|---|", *rows])
 
@@ -380,8 +388,6 @@ def worker_profile(jpegs: list[bytes], batches: int = 8, top: int = 20, engines:
     call for the batch, the recipe's augmentation, the copy into a page-locked host buffer as into a slot of
     swin.batch_ring), by kernel and copy: what the workers put on the GPU beside the training step. engines: decode
     with swin.nvjpeg's decoder on the JPEG engines (planar RGB out), as the decoding thread does, not torchvision's."""
-    from torch.profiler import ProfilerActivity, profile
-
     from swin.gpu_data import DeviceCollate, collate_encoded
     from swin.nvjpeg import open_hardware_decoder
     collate = DeviceCollate(torch.device("cuda"), train_transform(), skip_corrupt=False)
@@ -396,21 +402,7 @@ def worker_profile(jpegs: list[bytes], batches: int = 8, top: int = 20, engines:
         images, *_ = collate.decoder(batch, 0)  # a worker decodes the batch in one call (files_per_call)
         host.copy_(collate.augment(images, batch.indices))
 
-    for _ in range(3):
-        one_batch()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(batches):
-            one_batch()
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / batches * 1e3
-    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    copies = sum(e.self_device_time_total for e in kernels if e.key.startswith("Memcpy")) / batches / 1e3
-    total = sum(e.self_device_time_total for e in kernels) / batches / 1e3
-    rows = [f"| {e.key[:70]} | {e.count / batches:.1f} | {e.self_device_time_total / batches / 1e3:.3f} |"
-            for e in kernels[:top]]
+    total, copies, wall, rows = _profile_batches(one_batch, batches, top)
     decoder = "swin.nvjpeg on the JPEG engines" if engines else "torchvision's nvJPEG"
     kb = np.mean([len(j) for j in jpegs]) / 1e3
     head = (f"one worker's batch of {len(jpegs)} ({decoder}, {kb:.0f} KB files) alone: {total:.2f} ms of GPU time, "
