@@ -546,7 +546,8 @@ def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, batch_size: in
         from .gpu_data import collate_encoded
         settings["collate_fn"] = collate_encoded
     elif encoded is not None:
-        from .gpu_data import DeviceCollate, mps_running, transform_shape
+        from .gpu_augment import transform_shape
+        from .gpu_data import DeviceCollate, mps_running
         ring = None
         if workers > 0:
             from .batch_ring import BatchRing

@@ -189,6 +189,12 @@ def _pair(v: Any) -> tuple[int, int]:
     return (int(v), int(v)) if isinstance(v, (int, float)) else (int(v[0]), int(v[1]))
 
 
+def transform_shape(transform: TrainTransform | EvalTransform) -> tuple[int, int, int]:
+    """The (channels, height, width) of one image out of `transform` (RGB: nvJPEG and the CPU fallback decode
+    every file to 3 channels)."""
+    return 3, *_pair(transform.spec.size)
+
+
 def _check_interpolation(name: Any) -> str:
     if name not in INTERPOLATIONS:
         raise ValueError(f"data.interpolation={name!r} is not supported with data.decode=gpu; use one of "
@@ -671,4 +677,5 @@ class EvalTransform:
 
 __all__ = ["BatchPlan", "EvalSpec", "EvalTransform", "PackedImages", "RandAugmentSpec", "TrainSpec", "TrainTransform",
            "apply_op", "eval_geometry", "eval_spec", "image_sizes", "indexed", "parse_rand_augment", "plan_batch",
-           "rand_augment_args", "resize_like_pil", "resized_crops", "sample_crop_boxes", "train_spec"]
+           "rand_augment_args", "resize_like_pil", "resized_crops", "sample_crop_boxes", "train_spec",
+           "transform_shape"]

@@ -348,14 +348,6 @@ class JpegDecoder:
         return kept, targets, batch.skipped + len(images) - len(keep), on_cpu
 
 
-def transform_shape(transform: TrainTransform | EvalTransform) -> tuple[int, int, int]:
-    """The (channels, height, width) of one image out of `transform` (RGB: nvJPEG and the CPU fallback decode
-    every file to 3 channels)."""
-    size = transform.spec.size
-    height, width = (size, size) if isinstance(size, int) else size
-    return 3, int(height), int(width)
-
-
 class DeviceCollate:
     """The ``collate_fn`` of data.decode=gpu loaders: a batch of :class:`EncodedImageFolder` samples decoded on
     ``device`` and transformed there (``transform``: swin.gpu_augment's TrainTransform or EvalTransform), as
@@ -524,4 +516,4 @@ def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
 
 __all__ = ["DecodeThread", "DecodedBatch", "DecodedImageFolder", "DeviceCollate", "EncodedBatch", "EncodedImageFolder",
            "FILES_PER_CALL_BESIDE_STEP", "JpegDecoder", "collate_decoded", "collate_encoded", "decode_on_cpu",
-           "engines_take", "files_per_call", "jpeg_frame", "nvjpeg_can_decode", "transform_shape"]
+           "engines_take", "files_per_call", "jpeg_frame", "nvjpeg_can_decode"]
