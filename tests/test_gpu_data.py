@@ -237,6 +237,27 @@ def test_gpu_crop_resize_matches_interpolate_at_the_pipeline_sizes(photos):
     assert signed.abs().max() <= 1 and (signed != 0).float().mean() < 0.01, report
 
 
+def test_batched_crop_resize_reads_images_where_they_lie():
+    """The kernels read each image at its address (no packing copy): views into one buffer in any order, and a
+    non-contiguous image, give what the same images packed back to back in one buffer give."""
+    from kernels.crop_resize import crop_resize, crop_resize_packed
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rng = _rng()
+    shapes = [(int(h), int(w)) for h, w in rng.integers(9, 40, (5, 2))]
+    buffer = torch.from_numpy(rng.integers(0, 256, sum(3 * h * w for h, w in shapes), dtype=np.uint8)).to(device)
+    views = list(buffer.split([3 * h * w for h, w in shapes]))
+    views = [v.view(3, h, w) for v, (h, w) in zip(views, shapes)][::-1]  # the highest address first
+    views.append(torch.from_numpy(rng.integers(0, 256, (3, 30, 20), dtype=np.uint8)).to(device).transpose(1, 2))
+    boxes = np.array([[1, 2, v.shape[1] - 1, v.shape[2] - 3] for v in views])
+    modes = rng.integers(0, 3, len(views))
+    flips = rng.random(len(views)) < 0.5
+    got = crop_resize(views, boxes, modes, (12, 10), flips=flips)
+    packed = torch.cat([v.contiguous().reshape(-1) for v in views])  # the same images back to back, in list order
+    want = crop_resize_packed(packed, np.array([v.shape[1:] for v in views]), boxes, modes, (12, 10), flips=flips)
+    assert torch.equal(got, want)
+    assert torch.equal(got[:1], crop_resize(views[:1], boxes[:1], modes[:1], (12, 10), flips=flips[:1]))
+
+
 def test_batched_crop_resize_rounds_half_to_even_and_checks_boxes():
     """Two equal taps make exact halves: 1.5 -> 2, 2.5 -> 2, 3.5 -> 4 (torch.round, as the per-image path); nearest
     at an even ratio takes pixel floor(2 (i + 0.5)) = 2i + 1; a box outside its image is refused."""
