@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import launch_direct
+from .ops import interpreting, launch_direct
 
 # per-image mode ids (swin.gpu_augment.MODES order)
 BILINEAR, BICUBIC, NEAREST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -139,10 +139,14 @@ def crop_resize(images: list[torch.Tensor], boxes: np.ndarray, modes: np.ndarray
         raise ValueError("crop_resize takes (3, H, W) uint8 images")
     if any(img.device != images[0].device for img in images):
         raise ValueError("crop_resize takes the images of one device")
+    shapes = np.array([img.shape[1:] for img in images], dtype=np.int64).reshape(len(images), 2)
+    if interpreting() and images[0].device.type != "cpu":
+        # the interpreter copies each tensor argument to the host by itself: only one buffer can be addressed
+        return crop_resize_packed(torch.cat([img.reshape(-1) for img in images]), shapes, boxes, modes, size,
+                                  flips=flips)
     images = [img.contiguous() for img in images]  # (referenced until the kernels are queued)
     base = min(images, key=lambda img: img.data_ptr())
     offsets = np.array([img.data_ptr() - base.data_ptr() for img in images], dtype=np.int64)
-    shapes = np.array([img.shape[1:] for img in images], dtype=np.int64).reshape(len(images), 2)
     return _launch(base, offsets, shapes, boxes, modes, size, False, flips)
 
 
@@ -186,7 +190,7 @@ def _launch(src: torch.Tensor, offsets: np.ndarray, shapes: np.ndarray, boxes: n
     # 4 rows per program on a GPU: the kernels are bound by instruction issue and latency, not bandwidth, and 4 was
     # the fastest of 4-32 rows x 2-8 warps on the H100 (0.35 ms against 0.52 ms at 16 rows for 128 images to 224 x
     # 224, docs/benchmarks.md); the interpreter runs each program's block as one numpy operation: fewer, larger ones
-    block = 4 if device.type == "cuda" else max(1, 4096 // block_w)
+    block = max(1, 4096 // block_w) if interpreting() else 4
     launch_direct(crop_resize_rows_kernel, (n * 3, triton.cdiv(int(h.max()), block)), src, meta_t, rows, out_w,
                   BLOCK_R=block, BLOCK_W=block_w, CHANNELS_LAST=channels_last, num_warps=4)
     launch_direct(crop_resize_cols_kernel, (n * 3, triton.cdiv(out_h, block)), rows, meta_t, out, out_h, out_w,

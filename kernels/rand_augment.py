@@ -10,8 +10,8 @@ image's op id and arguments are read from a table by the kernel:
    added up with integer atomics; then ``layer_lut_kernel`` turns the histograms into Equalize's lookup tables (one
    program per image; one program per image for the whole statistics took 0.18 ms per layer of 128 images at 224 on
    the H100, serial over the pixels);
-2. ``layer_apply_kernel``, programs of BLOCK pixels of one image: the op, pointwise or (Sharpness, the affine ops)
-   from neighbouring / sampled source pixels, all three channels.
+2. ``layer_apply_kernel``, programs of APPLY_BLOCK pixels of one image (BLOCK in the interpreter): the op,
+   pointwise or (Sharpness, the affine ops) from neighbouring / sampled source pixels, all three channels.
 
 The arithmetic follows the per-op PyTorch reference (swin.gpu_augment.apply_op, which follows timm's PIL ops):
 integer ops and lookup tables exactly; enhancements as fp32 blends truncated to uint8; rotations, shears and
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import launch_direct
+from .ops import interpreting, launch_direct
 
 # op ids (the table's values); the three affine ids differ in their resampling filter
 (AUTOCONTRAST, EQUALIZE, INVERT, POSTERIZE, SOLARIZE, SOLARIZE_ADD, COLOR, CONTRAST, BRIGHTNESS, SHARPNESS,
@@ -323,7 +323,7 @@ def augment_layer(x: torch.Tensor, ops: torch.Tensor, args: torch.Tensor, fill: 
     # the ops are bound by instruction issue and gather latency (the affine ones' taps), not bandwidth: programs of
     # 256 pixels ran a recipe layer in 47 us against 105 us at 1024 on the H100 (docs/benchmarks.md); the
     # interpreter, which runs a program's block as one numpy operation, wants few large ones
-    block = APPLY_BLOCK if x.is_cuda else BLOCK
+    block = BLOCK if interpreting() else APPLY_BLOCK
     launch_direct(layer_apply_kernel, (n, triton.cdiv(h * w, block)), x, out, ops, args.contiguous(), acc, lut, fill,
                   h, w, BLOCK=block, num_warps=4)
     return out

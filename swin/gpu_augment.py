@@ -6,7 +6,7 @@ flips, and for each image its RandAugment ops and magnitudes (or colour-jitter f
 
 1. crops and resizes every decoded image to the model's size (the images have different sizes), antialiased as PIL
    resizes, rounded to uint8 as PIL stores it, and mirrors the images drawn for a flip: kernels.crop_resize, two
-   launches for the batch (PyTorch ops: a flip of the uint8 batch after the crops);
+   launches for the batch (the PyTorch path flips the uint8 batch after the crops);
 2. runs each augmentation layer over the whole batch in four launches (kernels.rand_augment: each image's op and
    arguments come from a table).
 

@@ -238,8 +238,9 @@ def test_gpu_crop_resize_matches_interpolate_at_the_pipeline_sizes(photos):
 
 
 def test_batched_crop_resize_reads_images_where_they_lie():
-    """The kernels read each image at its address (no packing copy): views into one buffer in any order, and a
-    non-contiguous image, give what the same images packed back to back in one buffer give."""
+    """The kernels read each image at its address (no packing copy): views into one buffer in any order, a
+    non-contiguous image and a large one allocated apart give what the same images packed back to back in one
+    buffer give."""
     from kernels.crop_resize import crop_resize, crop_resize_packed
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rng = _rng()
@@ -248,7 +249,10 @@ def test_batched_crop_resize_reads_images_where_they_lie():
     views = list(buffer.split([3 * h * w for h, w in shapes]))
     views = [v.view(3, h, w) for v, (h, w) in zip(views, shapes)][::-1]  # the highest address first
     views.append(torch.from_numpy(rng.integers(0, 256, (3, 30, 20), dtype=np.uint8)).to(device).transpose(1, 2))
+    # over 1 MiB: on CUDA another pool of the caching allocator, far from the others (an int64 offset)
+    views.append(torch.from_numpy(rng.integers(0, 256, (3, 640, 600), dtype=np.uint8)).to(device))
     boxes = np.array([[1, 2, v.shape[1] - 1, v.shape[2] - 3] for v in views])
+    boxes[-1] = (500, 300, 41, 33)
     modes = rng.integers(0, 3, len(views))
     flips = rng.random(len(views)) < 0.5
     got = crop_resize(views, boxes, modes, (12, 10), flips=flips)
