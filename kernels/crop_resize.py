@@ -26,6 +26,10 @@ from .ops import interpreting, launch_direct
 BILINEAR, BICUBIC, NEAREST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # int64 per image: offset, H, W, top, left, crop h, crop w, mode, offset in the row buffer, mirrored (0 or 1)
 META = tl.constexpr(10)
+# launch geometry on a GPU, rows per program and warps (scripts/bench_augment_kernels.py sweeps them): the kernels
+# are bound by instruction issue and gather latency, not bandwidth, and 4 x 4 was the fastest of 4-32 rows x 2-8
+# warps on the H100 (0.35 ms against 0.52 ms at 16 rows for 128 images to 224 x 224, docs/benchmarks.md)
+GPU_BLOCK, GPU_WARPS = 4, 4
 
 
 @triton.jit
@@ -187,12 +191,10 @@ def _launch(src: torch.Tensor, offsets: np.ndarray, shapes: np.ndarray, boxes: n
     rows = torch.empty(int(row_sizes.sum()), dtype=torch.float32, device=device)
     out = torch.empty((n, 3, out_h, out_w), dtype=torch.uint8, device=device)
     block_w = triton.next_power_of_2(out_w)
-    # 4 rows per program on a GPU: the kernels are bound by instruction issue and latency, not bandwidth, and 4 was
-    # the fastest of 4-32 rows x 2-8 warps on the H100 (0.35 ms against 0.52 ms at 16 rows for 128 images to 224 x
-    # 224, docs/benchmarks.md); the interpreter runs each program's block as one numpy operation: fewer, larger ones
-    block = max(1, 4096 // block_w) if interpreting() else 4
+    # the interpreter runs each program's block as one numpy operation: fewer, larger ones
+    block, warps = (max(1, 4096 // block_w), 4) if interpreting() else (GPU_BLOCK, GPU_WARPS)
     launch_direct(crop_resize_rows_kernel, (n * 3, triton.cdiv(int(h.max()), block)), src, meta_t, rows, out_w,
-                  BLOCK_R=block, BLOCK_W=block_w, CHANNELS_LAST=channels_last, num_warps=4)
+                  BLOCK_R=block, BLOCK_W=block_w, CHANNELS_LAST=channels_last, num_warps=warps)
     launch_direct(crop_resize_cols_kernel, (n * 3, triton.cdiv(out_h, block)), rows, meta_t, out, out_h, out_w,
-                  BLOCK_I=block, BLOCK_W=block_w, num_warps=4)
+                  BLOCK_I=block, BLOCK_W=block_w, num_warps=warps)
     return out

@@ -42,7 +42,10 @@ ACC = HISTOGRAMS + 3 + 3 + 2  # padded to an even row
 _MIN, _MAX, _GREY = tl.constexpr(HISTOGRAMS), tl.constexpr(HISTOGRAMS + 3), tl.constexpr(HISTOGRAMS + 6)
 _ACC, _ARGS = tl.constexpr(ACC), tl.constexpr(ARGS)
 BLOCK = 1024
-APPLY_BLOCK = 256  # layer_apply_kernel's programs on a GPU (augment_layer)
+# layer_apply_kernel's launch on a GPU, pixels per program and warps (scripts/bench_augment_kernels.py sweeps them):
+# the ops are bound by instruction issue and gather latency (the affine ones' taps), not bandwidth; 256 x 4 ran a
+# recipe layer in 47 us against 105 us at 1024 x 4 on the H100 (docs/benchmarks.md)
+APPLY_BLOCK, APPLY_WARPS = 256, 4
 
 
 @triton.jit
@@ -320,10 +323,8 @@ def augment_layer(x: torch.Tensor, ops: torch.Tensor, args: torch.Tensor, fill: 
     launch_direct(layer_stats_kernel, (n, blocks), x, ops, acc, h * w, BLOCK=BLOCK)
     launch_direct(layer_lut_kernel, (n,), ops, acc, lut, h * w)
     out = torch.empty_like(x)
-    # the ops are bound by instruction issue and gather latency (the affine ones' taps), not bandwidth: programs of
-    # 256 pixels ran a recipe layer in 47 us against 105 us at 1024 on the H100 (docs/benchmarks.md); the
-    # interpreter, which runs a program's block as one numpy operation, wants few large ones
-    block = BLOCK if interpreting() else APPLY_BLOCK
+    # the interpreter runs a program's block as one numpy operation: few large ones
+    block, warps = (BLOCK, 4) if interpreting() else (APPLY_BLOCK, APPLY_WARPS)
     launch_direct(layer_apply_kernel, (n, triton.cdiv(h * w, block)), x, out, ops, args.contiguous(), acc, lut, fill,
-                  h, w, BLOCK=block, num_warps=4)
+                  h, w, BLOCK=block, num_warps=warps)
     return out

@@ -31,14 +31,17 @@
 #                                         # NVJPEG_ARGS="--processes 1 4 8 --step swin": beside decoding processes)
 # MPS=1 before any stage: the stage runs under an MPS daemon of its own (started before, stopped after), so that
 # the CUDA contexts of several processes (data.decode=gpu's loader workers) share the GPU instead of time-slicing
+#   bash scripts/gpu_session.sh augment   # the workers' augmentation kernels at each launch geometry
+#                                         # (scripts/bench_augment_kernels.py), then one worker's GPU work per batch by
+#                                         # kernel (bench_decode_contention.py --worker-profile); ~2 min
 #   bash scripts/gpu_session.sh gelu      # cuBLAS fc1, fc1 + GELU and fc1 with cuBLASLt's GELU epilogue at Swin-T's fc1
 #                                         # shapes: times, errors vs float64 (scripts/bench_fc1_gelu.py;
 #                                         # GELU_ARGS="--model base --batch 64 --dtype fp16")
 # Hydra is missing on the device machine: carry .whl (../shared/device-wheels/, see its README).
 set -uo pipefail
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu) ;;
-  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu" >&2
+  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu|augment) ;;
+  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu|augment" >&2
      exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
@@ -159,6 +162,9 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
     profile_run synthetic 200 $S data=synthetic data.train_samples=20480 data.val_samples=128 data.num_classes=64 ;;
   contention)
     python scripts/bench_decode_contention.py --trace ${CONTENTION_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
+  augment)
+    python scripts/bench_augment_kernels.py 2>&1 | grep -v Warning | tee "$OUT/augment_kernels.md"
+    python scripts/bench_decode_contention.py --worker-profile 2>&1 | grep -v Warning | tee "$OUT/worker_profile.md" ;;
   gelu)
     python scripts/bench_fc1_gelu.py ${GELU_ARGS:-} 2>&1 | tee "$OUT/bench_fc1_gelu.md" ;;
   nvjpeg-hw)

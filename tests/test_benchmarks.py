@@ -465,3 +465,28 @@ def test_profile_train_step_cpu(tmp_path, data):
     assert result["kernel_ms"] == result["busy_ms"] == result["span_ms"] == 0.0
     assert result["top_kernels"].startswith("| kernel |") and result["crosses_epoch_end"] is False
     assert (tmp_path / "run" / "summary.json").is_file()  # the run went on to its end
+
+
+def test_bench_augment_kernels_sweeps_and_restores_the_launch_geometry(monkeypatch):
+    """bench_augment_kernels.py's rows on the CPU (the interpreter; a wall-clock timer instead of the profiler's GPU
+    time): one row per geometry, every geometry's output equal to the shipped one's, the shipped geometry restored."""
+    import time
+
+    from scripts import bench_augment_kernels as bench
+
+    def wall_us(fn, calls, name=None):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls * 1e6
+    monkeypatch.setattr(bench, "kernel_us", wall_us)
+    shipped = bench.cr.GPU_BLOCK, bench.cr.GPU_WARPS, bench.ra.APPLY_BLOCK, bench.ra.APPLY_WARPS
+    images, plan = bench.recipe_batch(2, 16, seed=3, device="cpu", sides=(20, 40))
+    x = bench.cr.crop_resize(images, plan.boxes, plan.modes, (16, 16), flips=plan.flips)
+    rows = bench.crop_rows(images, plan, 16, calls=1) + bench.apply_rows(x, plan, calls=1)
+    assert len(rows) == 2 + 4 * 3 + 1 + 3 * 3
+    cells = [row.strip("|").split("|") for row in rows]
+    assert all(float(c[1]) > 0 for c in cells)
+    assert all(c[2].strip() in ("0", "") for c in cells)  # the same output at every geometry
+    assert (bench.cr.GPU_BLOCK, bench.cr.GPU_WARPS, bench.ra.APPLY_BLOCK, bench.ra.APPLY_WARPS) == shipped
+
