@@ -6,9 +6,10 @@ training step, so its GPU time is what matters. This times, for a recipe batch (
 bilinear / bicubic, flips, rand-m9-mstd0.5-inc1) of random images of ImageNet-like sizes:
 - the crops as shipped (each image read where it lies), and the torch.cat that packing the images would cost;
 - the crop kernels at each rows-per-program x warps (kernels.crop_resize.GPU_BLOCK / GPU_WARPS);
-- RandAugment's apply kernel at each pixels-per-program x warps (kernels.rand_augment.APPLY_BLOCK / APPLY_WARPS).
-GPU time per call is the kernels' own time under torch.profiler (copies excluded), the mean of --calls calls; "max
-diff" compares each geometry's output with the shipped one's.
+- a RandAugment layer (its three kernels) at each pixels-per-program x warps of its apply kernel
+  (kernels.rand_augment.APPLY_BLOCK / APPLY_WARPS).
+GPU time per call is the kernels' own time under torch.profiler (copies excluded), the mean of --calls calls
+(bench_decode_contention's profiling helper); "max diff" compares each geometry's output with the shipped one's.
 
     python scripts/bench_augment_kernels.py [--batch 128] [--size 224] [--calls 20]
 """
@@ -18,29 +19,24 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from kernels import crop_resize as cr  # noqa: E402
 from kernels import rand_augment as ra  # noqa: E402
 from swin import gpu_augment as ga  # noqa: E402
 
 
-def kernel_us(fn: Callable[[], torch.Tensor], calls: int, name: str | None = None) -> float:
-    """GPU time per call (us, mean of `calls` profiled calls after one warm-up) of `fn`'s kernels, copies excluded
-    (only those whose name starts with `name`, if given)."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0
-               and not e.key.startswith("Memcpy") and (name is None or e.key.startswith(name))) / calls
+def kernel_us(fn: Callable[[], torch.Tensor], calls: int) -> float:
+    """GPU time per call (us) of `fn`'s kernels, copies excluded: the mean of `calls` profiled calls after 3."""
+    from bench_decode_contention import profile_batches
+    total_ms, copies_ms, _, _ = profile_batches(fn, calls, top=0)
+    return (total_ms - copies_ms) * 1e3
 
 
 def recipe_batch(n: int, size: int, seed: int, device: str = "cuda", sides: tuple[int, int] = (330, 500)
@@ -54,25 +50,35 @@ def recipe_batch(n: int, size: int, seed: int, device: str = "cuda", sides: tupl
     return images, tf.plan([tuple(i.shape[-2:]) for i in images], rng)
 
 
+def sweep(module: Any, settings: tuple[str, str], blocks: tuple[int, ...], unit: str, run: Callable[[], torch.Tensor],
+          calls: int) -> list[str]:
+    """One row per (block, warps) of the launch settings ``module.<settings>``: `run`'s GPU time and its output's
+    largest difference from the shipped settings' output; the shipped settings are restored after."""
+    shipped_settings = tuple(getattr(module, name) for name in settings)
+    shipped = run()
+    rows = []
+    try:
+        for block in blocks:
+            for warps in (2, 4, 8):
+                for name, value in zip(settings, (block, warps)):
+                    setattr(module, name, value)
+                diff = (run().int() - shipped.int()).abs().max().item()
+                rows.append(f"| {block} {unit} per program, {warps} warps | {kernel_us(run, calls):.1f} | "
+                            f"{diff} |")
+    finally:
+        for name, value in zip(settings, shipped_settings):
+            setattr(module, name, value)
+    return rows
+
+
 def crop_rows(images: list[torch.Tensor], plan: ga.BatchPlan, size: int, calls: int) -> list[str]:
     def crops() -> torch.Tensor:
         return cr.crop_resize(images, plan.boxes, plan.modes, (size, size), flips=plan.flips)
-    shipped = crops()
-    rows = [f"| crops as shipped ({cr.GPU_BLOCK} rows, {cr.GPU_WARPS} warps), images read in place | "
+    return [f"| crops as shipped ({cr.GPU_BLOCK} rows, {cr.GPU_WARPS} warps), images read in place | "
             f"{kernel_us(crops, calls):.1f} | 0 |",
             f"| torch.cat of the decoded images (packing them first) | "
-            f"{kernel_us(lambda: torch.cat([i.reshape(-1) for i in images]), calls):.1f} | |"]
-    default = cr.GPU_BLOCK, cr.GPU_WARPS
-    try:
-        for block in (4, 8, 16, 32):
-            for warps in (2, 4, 8):
-                cr.GPU_BLOCK, cr.GPU_WARPS = block, warps
-                diff = (crops().int() - shipped.int()).abs().max().item()
-                rows.append(f"| crops, {block} rows per program, {warps} warps | {kernel_us(crops, calls):.1f} | "
-                            f"{diff} |")
-    finally:
-        cr.GPU_BLOCK, cr.GPU_WARPS = default
-    return rows
+            f"{kernel_us(lambda: torch.cat([i.reshape(-1) for i in images]), calls):.1f} | |",
+            *sweep(cr, ("GPU_BLOCK", "GPU_WARPS"), (4, 8, 16, 32), "crop rows", crops, calls)]
 
 
 def apply_rows(x: torch.Tensor, plan: ga.BatchPlan, calls: int) -> list[str]:
@@ -83,20 +89,10 @@ def apply_rows(x: torch.Tensor, plan: ga.BatchPlan, calls: int) -> list[str]:
 
     def layer() -> torch.Tensor:
         return ra.augment_layer(x, ops, args, fill)
-    shipped = layer()
-    rows = [f"| a RandAugment layer as shipped, all three kernels ({ra.APPLY_BLOCK} pixels, {ra.APPLY_WARPS} warps) | "
-            f"{kernel_us(layer, calls):.1f} | 0 |"]
-    default = ra.APPLY_BLOCK, ra.APPLY_WARPS
-    try:
-        for block in (256, 512, 1024):
-            for warps in (2, 4, 8):
-                ra.APPLY_BLOCK, ra.APPLY_WARPS = block, warps
-                diff = (layer().int() - shipped.int()).abs().max().item()
-                rows.append(f"| apply kernel, {block} pixels per program, {warps} warps | "
-                            f"{kernel_us(layer, calls, 'layer_apply'):.1f} | {diff} |")
-    finally:
-        ra.APPLY_BLOCK, ra.APPLY_WARPS = default
-    return rows
+    return [f"| a RandAugment layer as shipped, all three kernels ({ra.APPLY_BLOCK} pixels, {ra.APPLY_WARPS} warps) | "
+            f"{kernel_us(layer, calls):.1f} | 0 |",
+            *sweep(ra, ("APPLY_BLOCK", "APPLY_WARPS"), (256, 512, 1024), "pixels (apply kernel), the layer's kernels",
+                   layer, calls)]
 
 
 def main() -> None:

@@ -346,7 +346,7 @@ def beside_pipelined(jpegs: list[bytes], graph, seconds: float, chunk: int, deco
     return ms, rate
 
 
-def _profile_batches(one_batch: Callable[[], object], batches: int, top: int) -> tuple[float, float, float, list[str]]:
+def profile_batches(one_batch: Callable[[], object], batches: int, top: int) -> tuple[float, float, float, list[str]]:
     """3 warm-up calls of `one_batch`, then `batches` under torch.profiler: GPU ms per batch (all, and of it the
     copies), wall ms per batch, and the `top` kernels and copies by GPU time as markdown table rows."""
     from torch.profiler import ProfilerActivity, profile
@@ -378,7 +378,7 @@ def augment_profile(jpegs: list[bytes], batches: int = 8, top: int = 15) -> str:
     images = [img for i in range(0, len(jpegs), per_call) for img in decode_jpeg(
         [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in jpegs[i:i + per_call]], mode=ImageReadMode.RGB,
         device="cuda")]
-    total, _, host, rows = _profile_batches(lambda: transform(images, rng), batches, top)
+    total, _, host, rows = profile_batches(lambda: transform(images, rng), batches, top)
     return "\n".join([f"augmentation of a batch of {len(jpegs)} alone: {total:.2f} ms of GPU time, {host:.1f} ms "
                       "wall (profiled)\n", "| kernel | per batch | GPU ms per batch |", "|---|---|---|", *rows])
 
@@ -402,7 +402,7 @@ def worker_profile(jpegs: list[bytes], batches: int = 8, top: int = 20, engines:
         images, *_ = collate.decoder(batch, 0)  # a worker decodes the batch in one call (files_per_call)
         host.copy_(collate.augment(images, batch.indices))
 
-    total, copies, wall, rows = _profile_batches(one_batch, batches, top)
+    total, copies, wall, rows = profile_batches(one_batch, batches, top)
     decoder = "swin.nvjpeg on the JPEG engines" if engines else "torchvision's nvJPEG"
     kb = np.mean([len(j) for j in jpegs]) / 1e3
     head = (f"one worker's batch of {len(jpegs)} ({decoder}, {kb:.0f} KB files) alone: {total:.2f} ms of GPU time, "

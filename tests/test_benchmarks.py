@@ -474,7 +474,7 @@ def test_bench_augment_kernels_sweeps_and_restores_the_launch_geometry(monkeypat
 
     from scripts import bench_augment_kernels as bench
 
-    def wall_us(fn, calls, name=None):
+    def wall_us(fn, calls):
         start = time.perf_counter()
         for _ in range(calls):
             fn()
