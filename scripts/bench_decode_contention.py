@@ -53,11 +53,12 @@ def make_jpegs(n: int) -> list[bytes]:
 AUGMENT_KERNELS = True  # TrainTransform's kernels (crops and RandAugment layers); --torch-augment: its PyTorch path
 
 
-def train_transform():
-    """The imagenet recipe's device transform (rand-m9-mstd0.5-inc1, random interpolation) at 224."""
+def train_transform(ycbcr: bool = False):
+    """The imagenet recipe's device transform (rand-m9-mstd0.5-inc1, random interpolation) at 224; ``ycbcr``: decoded
+    to YCbCr planes on the JPEG engines (data.gpu_ycbcr)."""
     from swin import gpu_augment as ga
     spec = ga.TrainSpec(size=(224, 224), interpolation="random",
-                        rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
+                        rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"), ycbcr=ycbcr)
     return ga.TrainTransform(spec, kernels=AUGMENT_KERNELS)
 
 
@@ -383,18 +384,21 @@ def augment_profile(jpegs: list[bytes], batches: int = 8, top: int = 15) -> str:
                       "wall (profiled)\n", "| kernel | per batch | GPU ms per batch |", "|---|---|---|", *rows])
 
 
-def worker_profile(jpegs: list[bytes], batches: int = 8, top: int = 20, engines: bool = False) -> str:
+DECODERS = {"ycbcr": "swin.nvjpeg on the JPEG engines, YCbCr planes (a train.py worker's, data.gpu_ycbcr=true)",
+            "engines": "swin.nvjpeg on the JPEG engines, RGB", "torchvision": "torchvision's nvJPEG"}
+
+
+def worker_profile(jpegs: list[bytes], batches: int = 8, top: int = 20, decoder: str = "ycbcr") -> str:
     """GPU work per batch of what one data.decode=gpu loader worker runs (swin.gpu_data.DeviceCollate: one nvJPEG
     call for the batch, the recipe's augmentation, the copy into a page-locked host buffer as into a slot of
-    swin.batch_ring), by kernel and copy: what the workers put on the GPU beside the training step. engines: decode
-    with swin.nvjpeg's decoder on the JPEG engines (planar RGB out), as the decoding thread does, not torchvision's."""
+    swin.batch_ring), by kernel and copy: what the workers put on the GPU beside the training step. decoder: see
+    DECODERS (engines: the decoding thread's decoder)."""
     from swin.gpu_data import DeviceCollate, collate_encoded
-    from swin.nvjpeg import open_hardware_decoder
-    collate = DeviceCollate(torch.device("cuda"), train_transform(), skip_corrupt=False)
-    if engines:
-        collate.decoder.engines = open_hardware_decoder(collate.device, len(jpegs))
+    collate = DeviceCollate(torch.device("cuda"), train_transform(ycbcr=decoder == "ycbcr"), skip_corrupt=False)
+    if decoder != "torchvision":
+        collate.decoder.open_engines(len(jpegs))
         if collate.decoder.engines is None:
-            return "no JPEG engines on this GPU (or no libnvjpeg): nothing to profile with --engines"
+            return f"no JPEG engines on this GPU (or no libnvjpeg): nothing to profile with --decoder {decoder}"
     batch = collate_encoded([(j, k % 10, f"{k}.JPEG", k) for k, j in enumerate(jpegs)])
     host = torch.empty((len(jpegs), 3, 224, 224), dtype=torch.uint8).pin_memory()
 
@@ -403,10 +407,9 @@ def worker_profile(jpegs: list[bytes], batches: int = 8, top: int = 20, engines:
         host.copy_(collate.augment(images, batch.indices))
 
     total, copies, wall, rows = profile_batches(one_batch, batches, top)
-    decoder = "swin.nvjpeg on the JPEG engines" if engines else "torchvision's nvJPEG"
     kb = np.mean([len(j) for j in jpegs]) / 1e3
-    head = (f"one worker's batch of {len(jpegs)} ({decoder}, {kb:.0f} KB files) alone: {total:.2f} ms of GPU time, "
-            f"of which copies {copies:.2f} ms; {wall:.1f} ms wall (profiled)\n")
+    head = (f"one worker's batch of {len(jpegs)} ({DECODERS[decoder]}, {kb:.0f} KB files) alone: {total:.2f} ms of "
+            f"GPU time, of which copies {copies:.2f} ms; {wall:.1f} ms wall (profiled)\n")
     return "\n".join([head, "| kernel or copy | per batch | GPU ms per batch |", "|---|---|---|", *rows])
 
 
@@ -442,14 +445,13 @@ def main() -> None:
     parser.add_argument("--augment-profile", action="store_true", help="only the augmentation's GPU time per batch")
     parser.add_argument("--worker-profile", action="store_true", help="only a decoding worker's GPU time per batch "
                         "(decode, augmentation, copy to the host)")
-    parser.add_argument("--engines", action="store_true", help="--worker-profile with swin.nvjpeg's decoder on the "
-                        "JPEG engines instead of torchvision's")
+    parser.add_argument("--decoder", choices=list(DECODERS), default="ycbcr", help="--worker-profile's decoder")
     args = parser.parse_args()
     global AUGMENT_KERNELS
     AUGMENT_KERNELS = not args.torch_augment
     jpegs = make_jpegs(args.jpegs)
     if args.augment_profile or args.worker_profile:
-        print(augment_profile(jpegs) if args.augment_profile else worker_profile(jpegs, engines=args.engines))
+        print(augment_profile(jpegs) if args.augment_profile else worker_profile(jpegs, decoder=args.decoder))
         return
     graph = step_graph(args.step)
     alone = step_ms(graph, args.seconds)

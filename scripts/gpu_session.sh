@@ -33,7 +33,8 @@
 # the CUDA contexts of several processes (data.decode=gpu's loader workers) share the GPU instead of time-slicing
 #   bash scripts/gpu_session.sh augment   # the workers' augmentation kernels at each launch geometry
 #                                         # (scripts/bench_augment_kernels.py), then one worker's GPU work per batch by
-#                                         # kernel (bench_decode_contention.py --worker-profile); ~2 min
+#                                         # kernel (bench_decode_contention.py --worker-profile, YCbCr planes from
+#                                         # the JPEG engines as train.py's workers, then torchvision's RGB); ~3 min
 #   bash scripts/gpu_session.sh gelu      # cuBLAS fc1, fc1 + GELU and fc1 with cuBLASLt's GELU epilogue at Swin-T's fc1
 #                                         # shapes: times, errors vs float64 (scripts/bench_fc1_gelu.py;
 #                                         # GELU_ARGS="--model base --batch 64 --dtype fp16")
@@ -164,7 +165,10 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
     python scripts/bench_decode_contention.py --trace ${CONTENTION_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
   augment)
     python scripts/bench_augment_kernels.py 2>&1 | grep -v Warning | tee "$OUT/augment_kernels.md"
-    python scripts/bench_decode_contention.py --worker-profile 2>&1 | grep -v Warning | tee "$OUT/worker_profile.md" ;;
+    for decoder in ycbcr torchvision; do  # a train.py worker's decoder (data.gpu_ycbcr), then torchvision's RGB
+      python scripts/bench_decode_contention.py --worker-profile --decoder $decoder 2>&1 | grep -v Warning \
+        | tee "$OUT/worker_profile_$decoder.md"
+    done ;;
   gelu)
     python scripts/bench_fc1_gelu.py ${GELU_ARGS:-} 2>&1 | tee "$OUT/bench_fc1_gelu.md" ;;
   nvjpeg-hw)

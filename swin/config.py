@@ -74,6 +74,7 @@ class ImageFolderDataConfig(DataConfig):
     skip_corrupt: bool = MISSING
     decode: str = MISSING
     gpu_decode_thread: bool = MISSING
+    gpu_ycbcr: bool = MISSING  # data.decode=gpu training: YCbCr planes from the JPEG engines, converted in the crops
     augment: str | None = MISSING  # null: where data.decode decodes
     mean: list[float] = MISSING
     std: list[float] = MISSING

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.crop_resize import crop_resize, crop_resize_packed
+from kernels.crop_resize import YCbCrImage, crop_resize, crop_resize_packed
 from kernels.ops import interpreting
 from kernels.rand_augment import (
     AFFINE_BICUBIC,
@@ -116,7 +116,19 @@ class PackedImages:
         return PackedImages(self.pixels.to(device, non_blocking=non_blocking), self.shapes)
 
 
-def image_sizes(images: Sequence[torch.Tensor] | PackedImages) -> list[tuple[int, int]]:
+def ycbcr_to_rgb(img: YCbCrImage) -> torch.Tensor:
+    """(3, H, W) uint8 RGB of a JPEG's planes for the PyTorch path: chroma upsampled bilinearly (JPEG's centred
+    siting), JFIF's conversion, rounded. The kernels instead resample each plane straight to the crop."""
+    (height, width), (sv, sh) = img.y.shape, img.shifts()
+    chroma = torch.stack([img.cb, img.cr])[None].float()
+    chroma = F.interpolate(chroma, scale_factor=(2**sv, 2**sh), mode="bilinear", align_corners=False)
+    cb, cr = (chroma[0, :, :height, :width] - 128).unbind()
+    y = img.y.float()
+    rgb = torch.stack([y + 1.402 * cr, y - 0.344136286 * cb - 0.714136286 * cr, y + 1.772 * cb])
+    return rgb.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def image_sizes(images: Sequence[torch.Tensor | YCbCrImage] | PackedImages) -> list[tuple[int, int]]:
     """(height, width) of each image of a batch."""
     return images.sizes() if isinstance(images, PackedImages) else [tuple(i.shape[-2:]) for i in images]
 
@@ -176,6 +188,7 @@ class TrainSpec:
     rand_augment: RandAugmentSpec | None = None
     color_jitter: tuple[float, float, float] | None = None  # brightness, contrast, saturation
     fill: tuple[int, int, int] = (124, 116, 104)  # RandAugment's affine fill: the dataset mean in 0..255
+    ycbcr: bool = False  # decode to the files' YCbCr planes on the JPEG engines; the crop kernels convert to RGB
 
 
 @dataclass(frozen=True)
@@ -222,7 +235,7 @@ def train_spec(cfg: Any, img_size: Any) -> TrainSpec:
     return TrainSpec(size=_pair(img_size), scale=tuple(cfg.scale), ratio=tuple(cfg.ratio), hflip=float(cfg.hflip),
                      interpolation=_check_interpolation(cfg.interpolation),
                      rand_augment=parse_rand_augment(aa) if aa else None, color_jitter=_jitter(cfg),
-                     fill=tuple(min(255, round(255 * m)) for m in mean))
+                     fill=tuple(min(255, round(255 * m)) for m in mean), ycbcr=bool(cfg.get("gpu_ycbcr", False)))
 
 
 def eval_spec(cfg: Any, img_size: Any) -> EvalSpec:
@@ -571,13 +584,14 @@ class TrainTransform:
     def uses_kernels(self, device: torch.device) -> bool:
         return self.kernels if self.kernels is not None else (device.type == "cuda" or interpreting())
 
-    def apply(self, images: Sequence[torch.Tensor] | PackedImages, plan: BatchPlan) -> torch.Tensor:
+    def apply(self, images: Sequence[torch.Tensor | YCbCrImage] | PackedImages, plan: BatchPlan) -> torch.Tensor:
         device = images.pixels.device if isinstance(images, PackedImages) else images[0].device
         if self.uses_kernels(device):
             return self._apply_kernels(images, plan)
         consts = self.to(device)._consts[device]
         if isinstance(images, PackedImages):
             images = images.unpack()
+        images = [ycbcr_to_rgb(img) if isinstance(img, YCbCrImage) else img for img in images]
         x = resized_crops(images, plan.boxes, plan.modes, self.spec.size)
         if not plan.flips.any() and not plan.layers:
             return x
@@ -598,7 +612,8 @@ class TrainTransform:
             x = x[params[inverse_at:inverse_at + n].long()]
         return x
 
-    def _apply_kernels(self, images: Sequence[torch.Tensor] | PackedImages, plan: BatchPlan) -> torch.Tensor:
+    def _apply_kernels(self, images: Sequence[torch.Tensor | YCbCrImage] | PackedImages, plan: BatchPlan
+                       ) -> torch.Tensor:
         """apply() in kernels: crops and flips (two launches), and per layer four launches whatever its ops."""
         if any(((ops < 0) | (ops >= NUM_OPS)).any() for ops, _ in plan.layers):
             raise ValueError(f"augmentation op ids must lie in 0..{NUM_OPS - 1}")
@@ -622,7 +637,8 @@ class TrainTransform:
                               fill)
         return x
 
-    def __call__(self, images: Sequence[torch.Tensor] | PackedImages, rng: np.random.Generator) -> torch.Tensor:
+    def __call__(self, images: Sequence[torch.Tensor | YCbCrImage] | PackedImages, rng: np.random.Generator
+                 ) -> torch.Tensor:
         return self.apply(images, self.plan(image_sizes(images), rng))
 
 

@@ -51,6 +51,8 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from kernels.crop_resize import YCbCrImage
+
 from .batch_ring import BatchRing, RingSlot
 from .data import CheckedImageFolder, readable, unreadable_image
 from .gpu_augment import EvalTransform, PackedImages, TrainTransform, indexed
@@ -120,16 +122,28 @@ def jpeg_frame(data: bytes | memoryview) -> tuple[int, int, int, int, int] | Non
 _ENGINE_LUMA = frozenset((0x11, 0x21, 0x22, 0x12, 0x41, 0x42))
 
 
-def engines_take(data: bytes | memoryview) -> tuple[int, int] | None:
-    """(height, width) of a file the GPU's JPEG engines decode: baseline (SOF0), 8-bit, grey or YCbCr with a
-    standard subsampling; None for any other (progressive, say: torchvision's nvJPEG path takes those)."""
+def engine_planes(data: bytes | memoryview) -> list[tuple[int, int]] | None:
+    """(height, width) of each plane of a file the GPU's JPEG engines decode: baseline (SOF0), 8-bit, grey (one
+    plane) or YCbCr with a standard subsampling (luma, then Cb and Cr as stored: what nvJPEG's YUV output holds);
+    None for any other (progressive, say: torchvision's nvJPEG path takes those)."""
     i = _frame_start(data)
     if i is None or data[i + 1] != 0xC0 or data[i + 4] != 8 or data[i + 9] not in (1, 3) or i + 19 > len(data):
         return None
     if data[i + 9] == 3 and (data[i + 11] not in _ENGINE_LUMA or data[i + 14] != 0x11 or data[i + 17] != 0x11):
         return None
     height, width = (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8]
-    return (height, width) if height and width else None
+    if not height or not width:
+        return None
+    if data[i + 9] == 1:
+        return [(height, width)]
+    chroma = (-(-height // (data[i + 11] & 0xF)), -(-width // (data[i + 11] >> 4)))  # rounded up, as libjpeg
+    return [(height, width), chroma, chroma]
+
+
+def engines_take(data: bytes | memoryview) -> tuple[int, int] | None:
+    """(height, width) of a file the GPU's JPEG engines decode (see engine_planes), else None."""
+    planes = engine_planes(data)
+    return None if planes is None else planes[0]
 
 
 def nvjpeg_can_decode(data: bytes) -> bool:
@@ -267,17 +281,30 @@ def files_per_call(device: torch.device) -> int:
 
 class JpegDecoder:
     """Decodes an :class:`EncodedBatch` on ``device``: batched calls of ``files_per_call`` files (0: all in one), by
-    the GPU's JPEG engines (``engines``, swin.nvjpeg: the decoding thread's) where they take every file of a call,
-    else by torchvision's nvJPEG; if a call fails, each of its images alone, and the CPU for those nvJPEG rejects.
+    the GPU's JPEG engines (``engines``, swin.nvjpeg) the files they take, the others by torchvision's nvJPEG; if a
+    call fails, each of its images alone, and the CPU for those nvJPEG rejects. The engines are the decoding
+    thread's (DecodeThread sets them, RGB output), or with ``ycbcr`` opened on the first CUDA call (YUV output:
+    training batches, whose crop kernels convert the planes to RGB; where the GPU has no engines, torchvision's RGB).
 
     On CUDA it decodes on a stream of its own, waited for before each call: nvJPEG's engines write their outputs
     without waiting for work queued on the stream (pytorch/vision#9606), so a block freed by kernels still queued
     could be overwritten. The caller's stream then waits for the decode, and the images are recorded on it."""
 
-    def __init__(self, device: torch.device, skip_corrupt: bool):
-        self.device, self.skip_corrupt = torch.device(device), skip_corrupt
-        self.engines: HardwareJpegDecoder | None = None  # DecodeThread's: the GPU's JPEG engines (swin.nvjpeg)
+    def __init__(self, device: torch.device, skip_corrupt: bool, ycbcr: bool = False):
+        self.device, self.skip_corrupt, self.ycbcr = torch.device(device), skip_corrupt, ycbcr
+        self.engines: HardwareJpegDecoder | None = None  # the GPU's JPEG engines (swin.nvjpeg)
         self._stream: torch.cuda.Stream | None = None
+        self.engines_opened = False  # (once, in the process that decodes)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # sent to spawned loader workers before any decoding: no CUDA objects travel
+        return {**self.__dict__, "engines": None, "_stream": None, "engines_opened": False}
+
+    def open_engines(self, files_per_call: int) -> None:
+        """Decode with the GPU's JPEG engines from now on, where it has them (YUV output with ``ycbcr``)."""
+        self.engines_opened = True
+        with torch.cuda.device(self.device):
+            self.engines = open_hardware_decoder(self.device, files_per_call, ycbcr=self.ycbcr)
 
     def device_decode(self, blobs: list[torch.Tensor]) -> list[torch.Tensor]:
         """nvJPEG on CUDA (batched), libjpeg-turbo on the CPU; RGB output also for grey images."""
@@ -300,11 +327,23 @@ class JpegDecoder:
         on_cpu.append(path)
         return img.to(self.device, non_blocking=True)
 
-    def _decode_call(self, blobs: list[torch.Tensor], headers: list[memoryview]) -> list[torch.Tensor]:
-        sizes = [engines_take(h) for h in headers] if self.engines is not None else [None]
-        if all(size is not None for size in sizes):
-            return self.engines.decode(blobs, sizes)
-        return self.device_decode(blobs)
+    def _decode_call(self, blobs: list[torch.Tensor], headers: list[memoryview]) -> list[torch.Tensor | YCbCrImage]:
+        """One call's files: by the engines those they take (with YCbCr output only files of three components),
+        the others by torchvision's nvJPEG, in RGB."""
+        if self.engines is None:
+            return self.device_decode(blobs)
+        planes = [engine_planes(h) for h in headers]
+        on_engines = [k for k, p in enumerate(planes) if p is not None and (len(p) == 3 or not self.engines.ycbcr)]
+        images: list[torch.Tensor | YCbCrImage | None] = [None] * len(blobs)
+        if on_engines:
+            decoded = self.engines.decode([blobs[k] for k in on_engines], [planes[k] for k in on_engines])
+            for k, img in zip(on_engines, decoded):
+                images[k] = img
+        rest = [k for k, img in enumerate(images) if img is None]
+        if rest:
+            for k, img in zip(rest, self.device_decode([blobs[k] for k in rest])):
+                images[k] = img
+        return images
 
     def __call__(self, batch: EncodedBatch, per_call: int = 0
                  ) -> tuple[list[torch.Tensor], torch.Tensor, int, list[str]]:
@@ -314,6 +353,8 @@ class JpegDecoder:
             return self._decode(batch, per_call)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
+        if self.ycbcr and not self.engines_opened:
+            self.open_engines(per_call or len(batch))
         caller = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             decoded = self._decode(batch, per_call)
@@ -364,7 +405,7 @@ class DeviceCollate:
                  seed: int = 0, ring: BatchRing | None = None):
         # with its index: a worker makes it its current device (set_device refuses a bare "cuda")
         self.device, self.transform, self.seed, self.ring = indexed(device), transform, seed, ring
-        self.decoder = JpegDecoder(self.device, skip_corrupt)
+        self.decoder = JpegDecoder(self.device, skip_corrupt, ycbcr=getattr(transform.spec, "ycbcr", False))
 
     def __call__(self, samples: Sequence[tuple[bytes | torch.Tensor, int, str, int] | None]
                  ) -> tuple[torch.Tensor | RingSlot, torch.Tensor | None, int, list[str]]:
@@ -428,8 +469,8 @@ class DecodeThread:
         stream, decoder = self._stream(), self.collate.decoder
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                if stream is not None and decoder.engines is None and self.loader.collate_fn is collate_encoded:
-                    decoder.engines = open_hardware_decoder(self.collate.device, files_per_call(self.collate.device))
+                if stream is not None and not decoder.engines_opened and self.loader.collate_fn is collate_encoded:
+                    decoder.open_engines(files_per_call(self.collate.device))
                 for batch in self.loader:
                     images, targets, skipped, on_cpu = self.collate.decode(batch)
                     done = stream.record_event() if stream is not None else None

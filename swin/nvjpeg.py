@@ -16,10 +16,15 @@ import glob
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from kernels.crop_resize import YCbCrImage
+
 BACKEND_DEFAULT, BACKEND_HARDWARE = 0, 3
-OUTPUT_RGB = 3  # planar: channel c at channel[c] with pitch[c]
+# planar outputs, plane c at channel[c] with pitch[c]: the file's own YCbCr planes (chroma subsampled as stored; the
+# engines write them without any kernel), or RGB (converted by one nvJPEG kernel per image)
+OUTPUT_YUV, OUTPUT_RGB = 1, 3
 STATUS = {0: "success", 1: "not initialized", 2: "invalid parameter", 3: "bad jpeg", 4: "jpeg not supported",
           5: "allocator failure", 6: "execution failed", 7: "arch mismatch", 8: "internal error",
           9: "implementation not supported", 10: "incomplete bitstream"}
@@ -60,17 +65,17 @@ def _pointer(blob: Blob) -> ctypes.c_void_p | bytes:
 
 
 class BatchedDecoder:
-    """``nvjpegDecodeBatched`` with one backend for calls of exactly ``batch`` files: JPEG files -> (3, H, W) uint8
-    RGB tensors on the current CUDA device, decoded on the current CUDA stream. Not for two threads at once."""
+    """``nvjpegDecodeBatched`` with one backend and output format for calls of exactly ``batch`` files: JPEG files ->
+    uint8 planes on the current CUDA device, decoded on the current CUDA stream. Not for two threads at once."""
 
-    def __init__(self, lib: ctypes.CDLL, backend: int, batch: int):
-        self.lib, self.batch = lib, batch
+    def __init__(self, lib: ctypes.CDLL, backend: int, batch: int, output: int = OUTPUT_RGB):
+        self.lib, self.batch, self.output = lib, batch, output
         self.handle, self.state = ctypes.c_void_p(), ctypes.c_void_p()
         check(lib.nvjpegCreateEx(ctypes.c_int(backend), None, None, ctypes.c_uint(0), ctypes.byref(self.handle)),
               f"nvjpegCreateEx(backend {backend})")
         check(lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
         check(lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, ctypes.c_int(batch), ctypes.c_int(1),
-                                                ctypes.c_int(OUTPUT_RGB)), "nvjpegDecodeBatchedInitialize")
+                                                ctypes.c_int(output)), "nvjpegDecodeBatchedInitialize")
         self.stream = ctypes.c_void_p()
         check(lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.stream)), "nvjpegJpegStreamCreate")
 
@@ -84,12 +89,17 @@ class BatchedDecoder:
 
     def size(self, blob: Blob) -> tuple[int, int, int]:
         """(components, height, width) of the file's first component."""
+        planes = self.plane_sizes(blob)
+        return len(planes), *planes[0]
+
+    def plane_sizes(self, blob: Blob) -> list[tuple[int, int]]:
+        """(height, width) of each of the file's components, as nvJPEG reads its header."""
         comps, sub = ctypes.c_int(), ctypes.c_int()
         widths, heights = (ctypes.c_int * 4)(), (ctypes.c_int * 4)()
         check(self.lib.nvjpegGetImageInfo(self.handle, _pointer(blob), ctypes.c_size_t(len(blob)),
                                           ctypes.byref(comps), ctypes.byref(sub), widths, heights),
               "nvjpegGetImageInfo")
-        return comps.value, heights[0], widths[0]
+        return [(heights[c], widths[c]) for c in range(comps.value)]
 
     def supported(self, blob: Blob) -> bool:
         """Whether this backend's batched decode takes the file (hardware: baseline JPEGs; not progressive)."""
@@ -103,17 +113,25 @@ class BatchedDecoder:
         return flag.value == 0  # 0: supported
 
     def __call__(self, blobs: list[Blob], sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """Decodes ``blobs`` (of the given (height, width)) into new tensors. The files must stay alive until the
-        current stream has run the call."""
+        """RGB output: ``blobs`` (of the given (height, width)) decoded into new (3, H, W) tensors."""
+        planes = [[size] * 3 for size in sizes]
+        return [b.view(3, *size) for b, size in zip(self.decode_planes(blobs, planes), sizes)]
+
+    def decode_planes(self, blobs: list[Blob], planes: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
+        """Decodes ``blobs`` into one new flat uint8 buffer per file, holding its (height, width) planes of the given
+        sizes back to back (RGB: three of the image's size; YUV: the file's components, luma first). The files
+        must stay alive until the current stream has run the call."""
         n = len(blobs)
         if n != self.batch:
             raise ValueError(f"this decoder takes calls of {self.batch} files (nvjpegDecodeBatchedInitialize), "
                              f"not {n}")
-        outs = [torch.empty((3, h, w), dtype=torch.uint8, device="cuda") for h, w in sizes]
+        outs = []
         images = (Image * n)()
-        for img, out, (h, w) in zip(images, outs, sizes):
-            for c in range(3):
-                img.channel[c] = out.data_ptr() + c * h * w
+        for img, sizes in zip(images, planes):
+            counts = [h * w for h, w in sizes]
+            outs.append(torch.empty(sum(counts), dtype=torch.uint8, device="cuda"))
+            for c, (start, (_, w)) in enumerate(zip(np.cumsum([0, *counts[:-1]]).tolist(), sizes)):
+                img.channel[c] = outs[-1].data_ptr() + start
                 img.pitch[c] = w
         data = (ctypes.c_void_p * n)(*[ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value
                                        if isinstance(b, bytes) else b.data_ptr() for b in blobs])
@@ -145,25 +163,37 @@ def _library() -> ctypes.CDLL | None:
 
 class HardwareJpegDecoder:
     """Lists of JPEG files decoded by the GPU's JPEG engines, one :class:`BatchedDecoder` per call size (nvJPEG fixes
-    it at initialisation). The caller gives each file's size and sends only files the engines take (baseline: see
-    swin.gpu_data.engines_take; asking nvJPEG per file would parse each whole file on the host). Waits for each call
-    on the current stream (the configuration measured beside the training step), so that the files may be freed
-    after it. One thread at a time."""
+    it at initialisation). The caller gives each file's plane sizes (swin.gpu_data.engine_planes: luma, then chroma)
+    and sends only files the engines take (baseline; with YUV output three components; asking nvJPEG per file would
+    parse each whole file on the host). Waits for each call on the current stream (the configuration measured
+    beside the training step), so that the files may be freed after it. One thread at a time.
+
+    Output: (3, H, W) uint8 RGB tensors, or with ``ycbcr`` each file's YCbCr planes as stored
+    (kernels.crop_resize.YCbCrImage), which the crop kernels convert: no nvJPEG conversion kernel per image."""
 
     def __init__(self, lib: ctypes.CDLL, first: BatchedDecoder):
-        self.lib, self.decoders = lib, {first.batch: first}
+        self.lib, self.decoders, self.ycbcr = lib, {first.batch: first}, first.output == OUTPUT_YUV
 
-    def decode(self, blobs: list[Blob], sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    def decode(self, blobs: list[Blob], planes: list[list[tuple[int, int]]]) -> list[torch.Tensor | YCbCrImage]:
         n = len(blobs)
+        if self.ycbcr and any(len(p) != 3 for p in planes):
+            raise ValueError("YCbCr output takes files of three components (grey ones: RGB output)")
         if n not in self.decoders:
-            self.decoders[n] = BatchedDecoder(self.lib, BACKEND_HARDWARE, n)
-        images = self.decoders[n](blobs, sizes)
+            self.decoders[n] = BatchedDecoder(self.lib, BACKEND_HARDWARE, n, OUTPUT_YUV if self.ycbcr else OUTPUT_RGB)
+        if not self.ycbcr:
+            images = self.decoders[n](blobs, [p[0] for p in planes])
+            torch.cuda.current_stream().synchronize()
+            return images
+        buffers = self.decoders[n].decode_planes(blobs, planes)
         torch.cuda.current_stream().synchronize()
-        return images
+        return [YCbCrImage(*(part.view(size) for part, size in zip(b.split([h * w for h, w in p]), p)))
+                for b, p in zip(buffers, planes)]
 
 
-def open_hardware_decoder(device: torch.device, files_per_call: int) -> HardwareJpegDecoder | None:
-    """A decoder on ``device``'s JPEG engines, or None: no CUDA, no libnvjpeg, or a GPU without engines."""
+def open_hardware_decoder(device: torch.device, files_per_call: int, ycbcr: bool = False
+                          ) -> HardwareJpegDecoder | None:
+    """A decoder on ``device``'s JPEG engines (``ycbcr``: YUV output, see HardwareJpegDecoder), or None: no CUDA, no
+    libnvjpeg, or a GPU without engines."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     lib = _library()
@@ -171,7 +201,7 @@ def open_hardware_decoder(device: torch.device, files_per_call: int) -> Hardware
         return None
     with torch.cuda.device(device):
         try:
-            first = BatchedDecoder(lib, BACKEND_HARDWARE, files_per_call)
+            first = BatchedDecoder(lib, BACKEND_HARDWARE, files_per_call, OUTPUT_YUV if ycbcr else OUTPUT_RGB)
         except RuntimeError:  # "implementation not supported": no engines on this GPU
             return None
     engines = first.engines()
@@ -180,5 +210,5 @@ def open_hardware_decoder(device: torch.device, files_per_call: int) -> Hardware
     return HardwareJpegDecoder(lib, first)
 
 
-__all__ = ["BACKEND_DEFAULT", "BACKEND_HARDWARE", "BatchedDecoder", "HardwareJpegDecoder", "Image", "check",
-           "load_nvjpeg", "open_hardware_decoder"]
+__all__ = ["BACKEND_DEFAULT", "BACKEND_HARDWARE", "OUTPUT_RGB", "OUTPUT_YUV", "BatchedDecoder",
+           "HardwareJpegDecoder", "Image", "check", "load_nvjpeg", "open_hardware_decoder"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from _train_utils import DET, make_cfg, train_inprocess
 from conftest import RUN_SEED
-from PIL import Image
+from PIL import Image, ImageFilter
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader
 
@@ -43,6 +44,7 @@ from swin.gpu_data import (
     JpegDecoder,
     collate_decoded,
     collate_encoded,
+    engine_planes,
     engines_take,
     files_per_call,
     jpeg_frame,
@@ -107,6 +109,12 @@ def test_jpeg_headers_route_files_nvjpeg_cannot_decode_to_the_cpu(photos):
     for name, (data, size) in engines.items():
         assert engines_take(data) == size, name
         assert engines_take(memoryview(data)) == size, name
+    # the planes of nvJPEG's YUV output: chroma rounded up at odd sizes (101 x 75 here), as libjpeg stores them
+    odd = img.resize((101, 75))
+    for subsampling, chroma in ((0, (75, 101)), (1, (75, 51)), (2, (38, 51))):  # 4:4:4, 4:2:2, 4:2:0
+        assert engine_planes(_jpeg(odd, subsampling=subsampling)) == [(75, 101), chroma, chroma], subsampling
+    assert engine_planes(_jpeg(odd.convert("L"))) == [(75, 101)]
+    assert engine_planes(_jpeg(odd, progressive=True)) is None
 
 
 # --- crop boxes ---------------------------------------------------------------------------------------------
@@ -260,6 +268,134 @@ def test_batched_crop_resize_reads_images_where_they_lie():
     want = crop_resize_packed(packed, np.array([v.shape[1:] for v in views]), boxes, modes, (12, 10), flips=flips)
     assert torch.equal(got, want)
     assert torch.equal(got[:1], crop_resize(views[:1], boxes[:1], modes[:1], (12, 10), flips=flips[:1]))
+
+
+def _plane_weights(n_out: int, start: float, scale: float, first: int, count: int, mode: int) -> np.ndarray:
+    """float64 (n_out, count) resampling weights over a window of ``count`` plane pixels from ``first``: output i's
+    centre lies at ``start + scale * (i + 0.5)`` plane pixels from the window's start; PIL's antialiased filters
+    (triangle, Keys cubic a = -0.5; support stretched when shrinking) or nearest, normalised per output."""
+    weights = np.zeros((n_out, count))
+    stretch = max(scale, 1.0)
+    for i in range(n_out):
+        centre = start + scale * (i + 0.5)
+        if mode == 2:
+            weights[i, min(int(centre), count - 1)] = 1.0
+            continue
+        support = (2.0 if mode == 1 else 1.0) * stretch
+        for x in range(max(int(centre - support + 0.5), 0), min(int(centre + support + 0.5), count)):
+            d = abs((x - centre + 0.5) / stretch)
+            if mode == 1:
+                weights[i, x] = (1.5 * d - 2.5) * d * d + 1 if d < 1 else (((-0.5 * d + 2.5) * d - 4) * d + 2
+                                                                           if d < 2 else 0)
+            else:
+                weights[i, x] = max(1.0 - d, 0.0)
+        weights[i] /= weights[i].sum()
+    return weights
+
+
+def _ycbcr_reference(planes: list[np.ndarray], shifts: tuple[int, int], box: tuple[int, int, int, int], mode: int,
+                     size: tuple[int, int]) -> np.ndarray:
+    """(3, *size) uint8 RGB in float64: each plane resampled where the crop lies in it (its edges divided by the
+    subsampling), then JFIF's YCbCr -> RGB, rounded half to even."""
+    top, left, h, w = box
+    out = []
+    for c, plane in enumerate(planes):
+        sv, sh = shifts if c else (0, 0)
+        resampled = plane.astype(np.float64)
+        for axis, (start, length, s, n_out) in enumerate([(top, h, sv, size[0]), (left, w, sh, size[1])]):
+            first = start >> s
+            count = min((start + length + 2**s - 1) >> s, plane.shape[axis]) - first
+            weights = _plane_weights(n_out, (start - (first << s)) / 2**s, length / (n_out * 2**s), first, count, mode)
+            window = np.take(resampled, np.arange(first, first + count), axis=axis)
+            resampled = np.tensordot(weights, window, axes=([1], [axis]))
+            resampled = np.moveaxis(resampled, 0, axis)
+        out.append(resampled)
+    y, cb, cr = out[0], out[1] - 128, out[2] - 128
+    rgb = np.stack([y + 1.402 * cr, y - 0.344136286 * cb - 0.714136286 * cr, y + 1.772 * cb])
+    return np.clip(np.round(rgb), 0, 255).astype(np.uint8)
+
+
+def test_batched_crop_resize_of_ycbcr_planes_matches_float64():
+    """YCbCr planes as nvJPEG's YUV output leaves them (4:2:0, 4:2:2, 4:4:0, 4:4:4, 4:1:1; odd sizes), mixed with RGB
+    images in one batch, against a float64 reference that resamples each plane where the crop lies in it and then
+    converts to RGB: within 1 level on under 1% of values; the RGB images exactly as in a batch of their own."""
+    from kernels.crop_resize import YCbCrImage, crop_resize
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rng = _rng()
+    cases = [(1, 1), (0, 1), (1, 0), (0, 0), (0, 2), (1, 1), (1, 1)]
+    images, planes, boxes = [], [], []
+    for sv, sh in cases:
+        h, w = (int(v) for v in rng.integers(17, 90, 2))
+        chroma = (-(-h // 2**sv), -(-w // 2**sh))
+        p = [rng.integers(0, 256, (h, w), dtype=np.uint8)] + [rng.integers(0, 256, chroma, dtype=np.uint8)
+                                                               for _ in range(2)]
+        planes.append(p)
+        images.append(YCbCrImage(*(torch.from_numpy(q).to(device) for q in p)))
+        bh, bw = int(rng.integers(5, h + 1)), int(rng.integers(5, w + 1))
+        boxes.append([int(rng.integers(0, h - bh + 1)), int(rng.integers(0, w - bw + 1)), bh, bw])
+    boxes[-1] = [1, 3, images[-1].shape[1] - 1, images[-1].shape[2] - 3]  # to the far edges, odd starts
+    rgb = [torch.from_numpy(rng.integers(0, 256, (3, 31, 40), dtype=np.uint8)).to(device)]
+    boxes = np.array(boxes + [[2, 5, 20, 33]])
+    modes = rng.integers(0, 3, len(boxes))
+    modes[:3] = [0, 1, 2]
+    size = (24, 20)
+    got = crop_resize(images + rgb, boxes, modes, size).cpu()
+    for k, (p, (sv, sh)) in enumerate(zip(planes, cases)):
+        want = torch.from_numpy(_ycbcr_reference(p, (sv, sh), tuple(boxes[k]), int(modes[k]), size))
+        diff = _levels(got[k], want)
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01, (k, (sv, sh), int(modes[k]), diff.max())
+    assert torch.equal(got[-1:], crop_resize(rgb, boxes[-1:], modes[-1:], size).cpu())
+    flips = np.arange(len(boxes)) % 2 == 0
+    mirrored = torch.where(torch.from_numpy(flips).view(-1, 1, 1, 1), got.flip(-1), got)
+    assert torch.equal(crop_resize(images + rgb, boxes, modes, size, flips=flips).cpu(), mirrored)
+    with pytest.raises(ValueError, match="not a subsampling"):
+        crop_resize([YCbCrImage(images[0].y, images[0].cb[:-1], images[0].cr)], boxes[:1], modes[:1], size)
+
+
+def test_ycbcr_crop_resize_of_a_photo_is_its_rgb_crop():
+    """The meaning of the YCbCr path: a photo's 4:4:4 planes (PIL's conversion) cropped and resized give the RGB
+    photo's crop within 2 levels (the conversion is linear), and its 4:2:0 planes (chroma averaged over 2 x 2) within
+    JPEG-like chroma error."""
+    from kernels.crop_resize import YCbCrImage, crop_resize
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # blurred: chroma that 2 x 2 averaging keeps (a photo's grain is lost to any 4:2:0 file alike)
+    photo = make_image(1, 5, int(_rng().integers(0, 2**31))).resize((160, 120)).filter(ImageFilter.GaussianBlur(2))
+    ycc = np.asarray(photo.convert("YCbCr")).astype(np.float64)
+    rgb = torch.from_numpy(np.asarray(photo.convert("YCbCr").convert("RGB")).copy()).permute(2, 0, 1).to(device)
+    full = YCbCrImage(*(torch.from_numpy(ycc[..., c].astype(np.uint8)).to(device) for c in range(3)))
+    halved = [ycc[..., c].reshape(60, 2, 80, 2).mean(axis=(1, 3)).round().astype(np.uint8) for c in (1, 2)]
+    sub = YCbCrImage(full.y, *(torch.from_numpy(q).to(device) for q in halved))
+    box, modes = np.array([[7, 11, 101, 131]]), np.array([1])
+    want = crop_resize([rgb], box, modes, (56, 64)).cpu()
+    assert _levels(crop_resize([full], box, modes, (56, 64)).cpu(), want).max() <= 2
+    diff = _levels(crop_resize([sub], box, modes, (56, 64)).cpu(), want).float()
+    # (the chroma planes moved by one of their pixels: 5-7 levels on average)
+    assert diff.mean() < 1 and diff.max() <= 12, (diff.mean(), diff.max())
+
+
+def test_ycbcr_planes_in_the_pytorch_path_and_the_kernels():
+    """The PyTorch path (TrainTransform(kernels=False)) takes YCbCr planes too: ycbcr_to_rgb of 4:4:4 planes is PIL's
+    YCbCr -> RGB within 1 level; a whole transform of 4:2:0 planes in PyTorch (chroma upsampled first) and in the
+    kernels (each plane resampled to the crop) stay close."""
+    from kernels.crop_resize import YCbCrImage
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rng = _rng()
+    photo = make_image(2, 5, int(rng.integers(0, 2**31))).resize((150, 110)).filter(ImageFilter.GaussianBlur(1.5))
+    ycc = np.asarray(photo.convert("YCbCr"))
+    full = YCbCrImage(*(torch.from_numpy(ycc[..., c].copy()) for c in range(3)))
+    rgb = torch.from_numpy(np.asarray(photo.convert("YCbCr").convert("RGB")).copy()).permute(2, 0, 1)
+    assert _levels(ga.ycbcr_to_rgb(full), rgb).max() <= 1
+    halved = [torch.from_numpy(ycc[..., c].astype(np.float64).reshape(55, 2, 75, 2).mean(axis=(1, 3)).round()
+                               .astype(np.uint8)) for c in (1, 2)]
+    images = [YCbCrImage(full.y, *halved)] * 4
+    spec = ga.TrainSpec(size=(64, 64), interpolation="random", rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5"))
+    plan = ga.TrainTransform(spec).plan(ga.image_sizes(images), rng)
+    torch_path = ga.TrainTransform(spec, kernels=False).apply(images, plan)
+    kernels = ga.TrainTransform(spec, kernels=True).apply([YCbCrImage(*(p.to(device) for p in i.planes()))
+                                                           for i in images], plan).cpu()
+    assert torch_path.shape == kernels.shape == (4, 3, 64, 64)
+    diff = _levels(kernels, torch_path).float()
+    assert diff.mean() < 1.5, diff.mean()
 
 
 def test_batched_crop_resize_rounds_half_to_even_and_checks_boxes():
@@ -826,9 +962,9 @@ def test_gpu_jpeg_engines_match_torchvision_and_leave_progressive_files_to_it(ph
     reference = JpegDecoder(torch.device("cuda"), skip_corrupt=False).device_decode(tensors)
     got = []
     for i in range(0, len(tensors), FILES_PER_CALL_BESIDE_STEP):
-        sizes = [engines_take(b) for b in baseline[i:i + FILES_PER_CALL_BESIDE_STEP]]
-        assert all(size is not None for size in sizes), i
-        got += engines.decode(tensors[i:i + FILES_PER_CALL_BESIDE_STEP], sizes)
+        planes = [engine_planes(b) for b in baseline[i:i + FILES_PER_CALL_BESIDE_STEP]]
+        assert all(p is not None for p in planes), i
+        got += engines.decode(tensors[i:i + FILES_PER_CALL_BESIDE_STEP], planes)
     for k, (a, b) in enumerate(zip(got, reference, strict=True)):
         assert a.is_cuda and a.shape == b.shape and torch.equal(a, b), (k, _levels(a, b).float().mean().item())
     assert engines_take(_jpeg(photos[6], progressive=True)) is None
@@ -846,6 +982,53 @@ def test_gpu_jpeg_engines_match_torchvision_and_leave_progressive_files_to_it(ph
     assert len(got_batch[0]) == len(want[0]) == 8 and got_batch[2:] == want[2:]
     for a, b in zip(got_batch[0], want[0]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_jpeg_engines_ycbcr_planes_crop_like_nvjpeg_rgb(photos, tmp_path):
+    """YUV output of the JPEG engines (4:2:0, 4:2:2, 4:4:4 files, odd sizes): the planes nvJPEG reports, and crops
+    of them (kernels.crop_resize converting to RGB) close to the same crops of nvJPEG's RGB. Through DeviceCollate
+    with a ycbcr TrainSpec, a batch mixing those files with grey and progressive ones (decoded in RGB by
+    torchvision) comes out like the RGB pipeline's, image for image."""
+    from kernels.crop_resize import YCbCrImage, crop_resize
+    from swin.nvjpeg import open_hardware_decoder
+    engines = open_hardware_decoder(torch.device("cuda"), 6, ycbcr=True)
+    if engines is None:
+        pytest.skip("this GPU has no JPEG engines (or no libnvjpeg)")
+    files = [_jpeg(p.resize((p.size[0] | 1, p.size[1] | 1)), subsampling=s)
+             for p, s in zip(photos, (2, 2, 1, 0, 2, 2))]
+    planes = [engine_planes(f) for f in files]
+    assert [engines.decoders[6].plane_sizes(f) for f in files] == planes  # nvJPEG reads the headers alike
+    tensors = [torch.frombuffer(bytearray(f), dtype=torch.uint8) for f in files]
+    ycbcr = engines.decode(tensors, planes)
+    rgb = JpegDecoder(torch.device("cuda"), skip_corrupt=False).device_decode(tensors)
+    assert all(isinstance(i, YCbCrImage) and i.y.is_cuda for i in ycbcr)
+    assert all(i.y.float().std() > 10 and i.cr.float().std() > 1 for i in ycbcr)  # written, not left empty
+    rng = _rng()
+    plan = ga.plan_batch(ga.TrainSpec(size=(224, 224), interpolation="random"), ga.image_sizes(rgb), rng)
+    got = crop_resize(ycbcr, plan.boxes, plan.modes, (224, 224), flips=plan.flips)
+    want = crop_resize(rgb, plan.boxes, plan.modes, (224, 224), flips=plan.flips)
+    diff = _levels(got, want).float()
+    # (H100: 1.55 levels on average, 1.4% over 8: libjpeg-style chroma upsampling against resampling each plane)
+    assert diff.mean() < 2.5 and (diff > 16).float().mean() < 0.01, (diff.mean(), (diff > 16).float().mean())
+    # DeviceCollate in a training batch: baseline files by the engines in YCbCr, grey and progressive ones in RGB
+    root = tmp_path / "train" / "a"
+    root.mkdir(parents=True)
+    # a grey file inside the first call of 6 (split between the engines and torchvision), a progressive one after
+    mixed = files[:2] + [_jpeg(photos[6].convert("L"))] + files[2:] + [_jpeg(photos[7], progressive=True)]
+    for k, data in enumerate(mixed):
+        (root / f"{k}.JPEG").write_bytes(data)
+    spec = ga.TrainSpec(size=(96, 96), rand_augment=ga.parse_rand_augment("rand-m9-mstd0.5-inc1"))
+    batches = {}
+    for flag in (True, False):
+        ds = EncodedImageFolder(tmp_path / "train", ga.TrainTransform(replace(spec, ycbcr=flag)), skip_corrupt=False)
+        collate = DeviceCollate(torch.device("cuda"), ds.device_transform, skip_corrupt=False, seed=3)
+        batches[flag] = collate([ds[i] for i in range(len(ds))])
+        assert (collate.decoder.engines is not None) is flag and batches[flag][3] == []
+    (a, ya, *_), (b, yb, *_) = batches[True], batches[False]
+    assert a.shape == b.shape == (len(mixed), 3, 96, 96) and torch.equal(ya, yb)
+    per_image = _levels(a, b).float().flatten(1).mean(1)
+    assert per_image[2] == per_image[7] == 0 and (per_image < 3).all(), per_image  # grey, progressive: RGB alike
 
 
 @pytest.mark.gpu
