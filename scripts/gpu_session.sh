@@ -35,14 +35,17 @@
 #                                         # (scripts/bench_augment_kernels.py), then one worker's GPU work per batch by
 #                                         # kernel (bench_decode_contention.py --worker-profile, YCbCr planes from
 #                                         # the JPEG engines as train.py's workers, then torchvision's RGB); ~3 min
+#   MPS=1 bash scripts/gpu_session.sh worker-cost  # train.py on synthetic data alone and beside 8 processes doing the
+#                                         # decoding workers' GPU work, feeding nothing (scripts/bench_worker_cost.py;
+#                                         # COST_ARGS="--decoder ycbcr"); ~6 min
 #   bash scripts/gpu_session.sh gelu      # cuBLAS fc1, fc1 + GELU and fc1 with cuBLASLt's GELU epilogue at Swin-T's fc1
 #                                         # shapes: times, errors vs float64 (scripts/bench_fc1_gelu.py;
 #                                         # GELU_ARGS="--model base --batch 64 --dtype fp16")
 # Hydra is missing on the device machine: carry .whl (../shared/device-wheels/, see its README).
 set -uo pipefail
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu|augment) ;;
-  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu|augment" >&2
+  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu|augment|worker-cost) ;;
+  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu|augment|worker-cost" >&2
      exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
@@ -169,6 +172,17 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
       python scripts/bench_decode_contention.py --worker-profile --decoder $decoder 2>&1 | grep -v Warning \
         | tee "$OUT/worker_profile_$decoder.md"
     done ;;
+  worker-cost)
+    # train.py on synthetic data (the ImageNet recipe, as bench_data.py's synthetic row) alone, then beside 8 processes
+    # doing the decoding workers' GPU work at the training speed, feeding nothing (scripts/bench_worker_cost.py)
+    R=/tmp/worker_cost; rm -rf "$R"
+    Q="experiment=imagenet_swin_tiny train.batch_size=128 train.epochs=3 train.warmup_epochs=1 train.compile=true
+       train.compile_mode=reduce-overhead train.save_every_epochs=0 train.save_every_steps=0 train.eval_every=1000
+       logger.wandb.mode=disabled logger.progress=false"
+    S=$(python -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from bench_data import \
+synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthetic'))))" $Q)
+    python scripts/bench_worker_cost.py --workers 8 --rate 5800 ${COST_ARGS:-} --out "$R" -- python train.py $S \
+      data=synthetic data.train_samples=20480 data.val_samples=128 data.num_classes=64 2>&1 | tee "$OUT/worker_cost.md" ;;
   gelu)
     python scripts/bench_fc1_gelu.py ${GELU_ARGS:-} 2>&1 | tee "$OUT/bench_fc1_gelu.md" ;;
   nvjpeg-hw)

@@ -6,6 +6,7 @@ backend agrees with the float64 reference. The Triton kernels run in the interpr
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -465,6 +466,25 @@ def test_profile_train_step_cpu(tmp_path, data):
     assert result["kernel_ms"] == result["busy_ms"] == result["span_ms"] == 0.0
     assert result["top_kernels"].startswith("| kernel |") and result["crosses_epoch_end"] is False
     assert (tmp_path / "run" / "summary.json").is_file()  # the run went on to its end
+
+
+@pytest.mark.slow
+def test_bench_worker_cost_cpu(tmp_path):
+    """scripts/bench_worker_cost.py on the CPU: train.py alone, then beside a paced process doing a decoding worker's
+    batches (decode, augmentation, copy out); both runs' img/s in the table, and the worker's rate near its cap."""
+    stdout = run_script([str(ROOT / "scripts/bench_worker_cost.py"), "--device", "cpu", "--workers", "1", "--rate",
+                         "16", "--batch", "4", "--out", str(tmp_path / "cost"), "--timeout", "200", "--",
+                         sys.executable, str(ROOT / "train.py"), "model=swin_micro", "data=synthetic",
+                         "data.train_samples=256", "data.val_samples=16", "data.num_classes=10", "train.batch_size=16",
+                         "train.epochs=2", "train.warmup_epochs=0", "logger.wandb.mode=disabled",
+                         "logger.progress=false"], cwd=tmp_path, timeout=400)
+    rows = [line.strip("|").split("|") for line in stdout.splitlines() if line.startswith(("| alone", "| beside"))]
+    assert len(rows) == 2, stdout
+    for cells in rows:
+        assert positive(float(cells[1].replace(",", ""))) and cells[2].strip().endswith("%"), stdout
+    done = float(re.search(r"they did ([\d,.]+)", stdout).group(1).replace(",", ""))
+    assert 0 < done <= 16 * 1.5, stdout  # paced: batches of 4 at most 16 img/s (a slow CPU may do fewer)
+    assert (tmp_path / "cost" / "alone" / "summary.json").is_file() and (tmp_path / "cost" / "beside.log").is_file()
 
 
 def test_bench_augment_kernels_sweeps_and_restores_the_launch_geometry(monkeypatch):
