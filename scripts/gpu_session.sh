@@ -37,7 +37,8 @@
 #                                         # the JPEG engines as train.py's workers, then torchvision's RGB); ~3 min
 #   MPS=1 bash scripts/gpu_session.sh worker-cost  # train.py on synthetic data alone and beside 8 processes doing the
 #                                         # decoding workers' GPU work, feeding nothing (scripts/bench_worker_cost.py;
-#                                         # COST_ARGS="--decoder ycbcr"); ~6 min
+#                                         # COST_ARGS="--variants worker no-host-copy ...": one run beside each;
+#                                         # ~4 min, +~2 per variant after the first)
 #   bash scripts/gpu_session.sh gelu      # cuBLAS fc1, fc1 + GELU and fc1 with cuBLASLt's GELU epilogue at Swin-T's fc1
 #                                         # shapes: times, errors vs float64 (scripts/bench_fc1_gelu.py;
 #                                         # GELU_ARGS="--model base --batch 64 --dtype fp16")
