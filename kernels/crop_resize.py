@@ -48,7 +48,7 @@ META = tl.constexpr(16)
 GPU_BLOCK, GPU_WARPS = 4, 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (tensors do not compare as one bool)
 class YCbCrImage:
     """A JPEG's decoded planes, as nvJPEG's YUV output leaves them: uint8 (H, W) luma and (ceil(H / 2**sv),
     ceil(W / 2**sw)) Cb and Cr, sv and sw in 0..2 (4:2:0 is 1, 1). Shaped like the (3, H, W) RGB image it becomes."""
@@ -233,10 +233,10 @@ def crop_resize(images: list[Image], boxes: np.ndarray, modes: np.ndarray, size:
     buffers, planes = [], []  # planes: (buffer index, offset in it, pitch, height, width, shift_v, shift_h, ycbcr)
     for img in images:
         if isinstance(img, YCbCrImage):
+            if any(plane.dim() != 2 or plane.dtype != torch.uint8 for plane in img.planes()):
+                raise ValueError("crop_resize takes YCbCrImage planes of uint8 (H, W)")
             shift_v, shift_h = img.shifts()
             for c, plane in enumerate(img.planes()):
-                if plane.dim() != 2 or plane.dtype != torch.uint8:
-                    raise ValueError("crop_resize takes YCbCrImage planes of uint8 (H, W)")
                 buffers.append(plane.contiguous())
                 height, width = plane.shape
                 planes.append((len(buffers) - 1, 0, width, height, width, shift_v * (c > 0), shift_h * (c > 0), 1))

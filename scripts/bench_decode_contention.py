@@ -384,11 +384,12 @@ def augment_profile(jpegs: list[bytes], batches: int = 8, top: int = 15) -> str:
                       "wall (profiled)\n", "| kernel | per batch | GPU ms per batch |", "|---|---|---|", *rows])
 
 
-DECODERS = {"ycbcr": "swin.nvjpeg on the JPEG engines, YCbCr planes (a train.py worker's, data.gpu_ycbcr=true)",
-            "engines": "swin.nvjpeg on the JPEG engines, RGB", "torchvision": "torchvision's nvJPEG"}
+DECODERS = {"torchvision": "torchvision's nvJPEG (a train.py worker's)",
+            "ycbcr": "swin.nvjpeg on the JPEG engines, YCbCr planes (a train.py worker's with data.gpu_ycbcr=true)",
+            "engines": "swin.nvjpeg on the JPEG engines, RGB (the decoding thread's)"}
 
 
-def worker_profile(jpegs: list[bytes], batches: int = 8, top: int = 20, decoder: str = "ycbcr") -> str:
+def worker_profile(jpegs: list[bytes], batches: int = 8, top: int = 20, decoder: str = "torchvision") -> str:
     """GPU work per batch of what one data.decode=gpu loader worker runs (swin.gpu_data.DeviceCollate: one nvJPEG
     call for the batch, the recipe's augmentation, the copy into a page-locked host buffer as into a slot of
     swin.batch_ring), by kernel and copy: what the workers put on the GPU beside the training step. decoder: see
@@ -445,7 +446,7 @@ def main() -> None:
     parser.add_argument("--augment-profile", action="store_true", help="only the augmentation's GPU time per batch")
     parser.add_argument("--worker-profile", action="store_true", help="only a decoding worker's GPU time per batch "
                         "(decode, augmentation, copy to the host)")
-    parser.add_argument("--decoder", choices=list(DECODERS), default="ycbcr", help="--worker-profile's decoder")
+    parser.add_argument("--decoder", choices=list(DECODERS), default="torchvision", help="--worker-profile's decoder")
     args = parser.parse_args()
     global AUGMENT_KERNELS
     AUGMENT_KERNELS = not args.torch_augment

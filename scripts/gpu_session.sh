@@ -33,8 +33,8 @@
 # the CUDA contexts of several processes (data.decode=gpu's loader workers) share the GPU instead of time-slicing
 #   bash scripts/gpu_session.sh augment   # the workers' augmentation kernels at each launch geometry
 #                                         # (scripts/bench_augment_kernels.py), then one worker's GPU work per batch by
-#                                         # kernel (bench_decode_contention.py --worker-profile, YCbCr planes from
-#                                         # the JPEG engines as train.py's workers, then torchvision's RGB); ~3 min
+#                                         # kernel (bench_decode_contention.py --worker-profile: torchvision's RGB as
+#                                         # train.py's workers, then data.gpu_ycbcr's planes); ~3 min
 #   MPS=1 bash scripts/gpu_session.sh worker-cost  # train.py on synthetic data alone and beside 8 processes doing the
 #                                         # decoding workers' GPU work, feeding nothing (scripts/bench_worker_cost.py;
 #                                         # COST_ARGS="--variants worker no-host-copy ...": one run beside each;
@@ -169,7 +169,7 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
     python scripts/bench_decode_contention.py --trace ${CONTENTION_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
   augment)
     python scripts/bench_augment_kernels.py 2>&1 | grep -v Warning | tee "$OUT/augment_kernels.md"
-    for decoder in ycbcr torchvision; do  # a train.py worker's decoder (data.gpu_ycbcr), then torchvision's RGB
+    for decoder in torchvision ycbcr; do  # a train.py worker's decoder, then the YCbCr planes (data.gpu_ycbcr=true)
       python scripts/bench_decode_contention.py --worker-profile --decoder $decoder 2>&1 | grep -v Warning \
         | tee "$OUT/worker_profile_$decoder.md"
     done ;;

@@ -193,6 +193,9 @@ def check_decode(cfg: Any, img_size: Any) -> None:
     if cfg.get("gpu_decode_thread", False) and decode_mode(cfg) != "gpu":
         raise ValueError("data.gpu_decode_thread=true decodes on the GPU in a thread of the training process: it "
                          "needs data.decode=gpu (or drop data.gpu_decode_thread)")
+    if cfg.get("gpu_ycbcr", False) and decode_mode(cfg) != "gpu":
+        raise ValueError("data.gpu_ycbcr=true decodes JPEG files to their YCbCr planes on the GPU's JPEG engines: it "
+                         "needs data.decode=gpu (or drop data.gpu_ycbcr)")
     if augment_mode(cfg) == "gpu":
         from .gpu_augment import eval_spec, train_spec
         train_spec(cfg, img_size)

@@ -122,10 +122,32 @@ def jpeg_frame(data: bytes | memoryview) -> tuple[int, int, int, int, int] | Non
 _ENGINE_LUMA = frozenset((0x11, 0x21, 0x22, 0x12, 0x41, 0x42))
 
 
+def _adobe_transform(data: bytes | memoryview, end: int) -> int | None:
+    """The colour transform of an Adobe APP14 marker before offset ``end`` (0: the components as stored, RGB for
+    three; 1: YCbCr), or None without one."""
+    i = 2
+    while i + 4 <= end:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:
+            i += 2
+            continue
+        length = (data[i + 2] << 8) | data[i + 3]
+        if marker == 0xEE and length >= 14 and bytes(data[i + 4:i + 9]) == b"Adobe":
+            return data[i + 15]
+        i += 2 + length
+    return None
+
+
 def engine_planes(data: bytes | memoryview) -> list[tuple[int, int]] | None:
     """(height, width) of each plane of a file the GPU's JPEG engines decode: baseline (SOF0), 8-bit, grey (one
     plane) or YCbCr with a standard subsampling (luma, then Cb and Cr as stored: what nvJPEG's YUV output holds);
-    None for any other (progressive, say: torchvision's nvJPEG path takes those)."""
+    None for any other (progressive, say, or three components stored as RGB, as libjpeg tells them: component ids
+    'R', 'G', 'B' or Adobe's transform 0; torchvision's nvJPEG path takes those)."""
     i = _frame_start(data)
     if i is None or data[i + 1] != 0xC0 or data[i + 4] != 8 or data[i + 9] not in (1, 3) or i + 19 > len(data):
         return None
@@ -136,6 +158,8 @@ def engine_planes(data: bytes | memoryview) -> list[tuple[int, int]] | None:
         return None
     if data[i + 9] == 1:
         return [(height, width)]
+    if (data[i + 10], data[i + 13], data[i + 16]) == (0x52, 0x47, 0x42) or _adobe_transform(data, i) == 0:
+        return None
     chroma = (-(-height // (data[i + 11] & 0xF)), -(-width // (data[i + 11] >> 4)))  # rounded up, as libjpeg
     return [(height, width), chroma, chroma]
 
@@ -346,9 +370,9 @@ class JpegDecoder:
         return images
 
     def __call__(self, batch: EncodedBatch, per_call: int = 0
-                 ) -> tuple[list[torch.Tensor], torch.Tensor, int, list[str]]:
-        """(decoded (3, H, W) uint8 images on the device, their labels, files dropped in this batch, paths of the
-        files decoded on the CPU: here, or already by the dataset)."""
+                 ) -> tuple[list[torch.Tensor | YCbCrImage], torch.Tensor, int, list[str]]:
+        """(decoded (3, H, W) uint8 images, or YCbCr planes, on the device, their labels, files dropped in this
+        batch, paths of the files decoded on the CPU: here, or already by the dataset)."""
         if self.device.type != "cuda":
             return self._decode(batch, per_call)
         if self._stream is None:
@@ -363,7 +387,8 @@ class JpegDecoder:
             img.record_stream(caller)
         return decoded
 
-    def _decode(self, batch: EncodedBatch, per_call: int) -> tuple[list[torch.Tensor], torch.Tensor, int, list[str]]:
+    def _decode(self, batch: EncodedBatch, per_call: int
+                ) -> tuple[list[torch.Tensor | YCbCrImage], torch.Tensor, int, list[str]]:
         images: list[torch.Tensor | None] = [None] * len(batch)
         on_cpu = [batch.paths[k] for k in batch.decoded_slots]
         slots = [k for k, n in enumerate(batch.sizes) if n > 0]
@@ -556,5 +581,6 @@ def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
 
 
 __all__ = ["DecodeThread", "DecodedBatch", "DecodedImageFolder", "DeviceCollate", "EncodedBatch", "EncodedImageFolder",
+           "engine_planes",
            "FILES_PER_CALL_BESIDE_STEP", "JpegDecoder", "collate_decoded", "collate_encoded", "decode_on_cpu",
            "engines_take", "files_per_call", "jpeg_frame", "nvjpeg_can_decode"]

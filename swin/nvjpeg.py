@@ -175,9 +175,24 @@ class HardwareJpegDecoder:
         self.lib, self.decoders, self.ycbcr = lib, {first.batch: first}, first.output == OUTPUT_YUV
 
     def decode(self, blobs: list[Blob], planes: list[list[tuple[int, int]]]) -> list[torch.Tensor | YCbCrImage]:
-        n = len(blobs)
         if self.ycbcr and any(len(p) != 3 for p in planes):
             raise ValueError("YCbCr output takes files of three components (grey ones: RGB output)")
+        images, start = [], 0
+        for n in self.call_sizes(len(blobs)):
+            images += self._call(blobs[start:start + n], planes[start:start + n])
+            start += n
+        return images
+
+    def call_sizes(self, n: int) -> list[int]:
+        """One call of ``n`` files where a decoder of that size exists, else calls of powers of two, largest first:
+        nvJPEG fixes a decoder's batch size, and batches holding a few files the engines refuse would otherwise
+        make (and keep) a decoder for every count."""
+        if n in self.decoders:
+            return [n]
+        return [1 << k for k in reversed(range(n.bit_length())) if n >> k & 1]
+
+    def _call(self, blobs: list[Blob], planes: list[list[tuple[int, int]]]) -> list[torch.Tensor | YCbCrImage]:
+        n = len(blobs)
         if n not in self.decoders:
             self.decoders[n] = BatchedDecoder(self.lib, BACKEND_HARDWARE, n, OUTPUT_YUV if self.ycbcr else OUTPUT_RGB)
         if not self.ycbcr:
