@@ -82,16 +82,17 @@ def mps_running() -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def _frame_start(data: bytes | memoryview) -> int | None:
-    """Offset of a JPEG file's frame header (its SOF marker), or None when ``data`` does not start like a JPEG file
-    or no frame header comes before the scan."""
+def _header(data: bytes | memoryview) -> tuple[int | None, int | None]:
+    """(offset of a JPEG file's frame header (its SOF marker), the colour transform of an Adobe APP14 marker before
+    it: 0 the components as stored, RGB for three; 1 YCbCr; None without one). The offset is None when ``data``
+    does not start like a JPEG file or no frame header comes before the scan."""
     n = len(data)
     if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
-        return None
-    i = 2
+        return None, None
+    i, adobe = 2, None
     while i + 4 <= n:
         if data[i] != 0xFF:
-            return None
+            return None, adobe
         marker = data[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1
@@ -100,11 +101,18 @@ def _frame_start(data: bytes | memoryview) -> int | None:
             i += 2
             continue
         if marker in (0xD9, 0xDA):  # end of image or start of scan before any frame header
-            return None
+            return None, adobe
         if marker in _SOF:
-            return i if i + 10 <= n else None
-        i += 2 + ((data[i + 2] << 8) | data[i + 3])
-    return None
+            return (i if i + 10 <= n else None), adobe
+        length = (data[i + 2] << 8) | data[i + 3]
+        if marker == 0xEE and length >= 14 and i + 15 < n and bytes(data[i + 4:i + 9]) == b"Adobe":
+            adobe = data[i + 15]
+        i += 2 + length
+    return None, adobe
+
+
+def _frame_start(data: bytes | memoryview) -> int | None:
+    return _header(data)[0]
 
 
 def jpeg_frame(data: bytes | memoryview) -> tuple[int, int, int, int, int] | None:
@@ -122,33 +130,12 @@ def jpeg_frame(data: bytes | memoryview) -> tuple[int, int, int, int, int] | Non
 _ENGINE_LUMA = frozenset((0x11, 0x21, 0x22, 0x12, 0x41, 0x42))
 
 
-def _adobe_transform(data: bytes | memoryview, end: int) -> int | None:
-    """The colour transform of an Adobe APP14 marker before offset ``end`` (0: the components as stored, RGB for
-    three; 1: YCbCr), or None without one."""
-    i = 2
-    while i + 4 <= end:
-        if data[i] != 0xFF:
-            return None
-        marker = data[i + 1]
-        if marker == 0xFF:
-            i += 1
-            continue
-        if marker == 0x01 or 0xD0 <= marker <= 0xD7:
-            i += 2
-            continue
-        length = (data[i + 2] << 8) | data[i + 3]
-        if marker == 0xEE and length >= 14 and bytes(data[i + 4:i + 9]) == b"Adobe":
-            return data[i + 15]
-        i += 2 + length
-    return None
-
-
 def engine_planes(data: bytes | memoryview) -> list[tuple[int, int]] | None:
     """(height, width) of each plane of a file the GPU's JPEG engines decode: baseline (SOF0), 8-bit, grey (one
     plane) or YCbCr with a standard subsampling (luma, then Cb and Cr as stored: what nvJPEG's YUV output holds);
     None for any other (progressive, say, or three components stored as RGB, as libjpeg tells them: component ids
     'R', 'G', 'B' or Adobe's transform 0; torchvision's nvJPEG path takes those)."""
-    i = _frame_start(data)
+    i, adobe = _header(data)
     if i is None or data[i + 1] != 0xC0 or data[i + 4] != 8 or data[i + 9] not in (1, 3) or i + 19 > len(data):
         return None
     if data[i + 9] == 3 and (data[i + 11] not in _ENGINE_LUMA or data[i + 14] != 0x11 or data[i + 17] != 0x11):
@@ -158,7 +145,7 @@ def engine_planes(data: bytes | memoryview) -> list[tuple[int, int]] | None:
         return None
     if data[i + 9] == 1:
         return [(height, width)]
-    if (data[i + 10], data[i + 13], data[i + 16]) == (0x52, 0x47, 0x42) or _adobe_transform(data, i) == 0:
+    if (data[i + 10], data[i + 13], data[i + 16]) == (0x52, 0x47, 0x42) or adobe == 0:
         return None
     chroma = (-(-height // (data[i + 11] & 0xF)), -(-width // (data[i + 11] >> 4)))  # rounded up, as libjpeg
     return [(height, width), chroma, chroma]
