@@ -42,10 +42,6 @@ BILINEAR, BICUBIC, NEAREST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 (OFFSET, PITCH, TOP, LEFT, ROWS, COLS, MODE, ROWS_AT, MIRRORED, CROP_H, CROP_W, SHIFT_V, SHIFT_H, REM_TOP, REM_LEFT,
  YCBCR) = (tl.constexpr(k) for k in range(16))
 META = tl.constexpr(16)
-# JFIF's YCbCr -> RGB (full-range BT.601, as libjpeg): R = Y + a Cr', G = Y - b Cb' - c Cr', B = Y + d Cb', with
-# Cb' = Cb - 128 and Cr' = Cr - 128 (also swin.gpu_augment.ycbcr_to_rgb's)
-JFIF_TO_RGB = (1.402, 0.344136286, 0.714136286, 1.772)
-_R_CR, _G_CB, _G_CR, _B_CB = (tl.constexpr(v) for v in JFIF_TO_RGB)
 # launch geometry on a GPU, rows per program and warps (scripts/bench_augment_kernels.py sweeps them): the kernels
 # are bound by instruction issue and gather latency, not bandwidth, and 4 x 4 was the fastest of 4-32 rows x 2-8
 # warps on the H100 (0.35 ms against 0.52 ms at 16 rows for 128 images to 224 x 224, docs/benchmarks.md)
@@ -206,10 +202,11 @@ def crop_resize_cols_kernel(rows_ptr, meta_ptr, out_ptr, OUT_H, OUT_W, BLOCK_I: 
         second = _resize_columns(rows_ptr, meta + META, i, j, OUT_H, OUT_W, live, BLOCK_I, BLOCK_W)
         third = _resize_columns(rows_ptr, meta + 2 * META, i, j, OUT_H, OUT_W, live, BLOCK_I, BLOCK_W)
         ycbcr = tl.load(meta + YCBCR) != 0
-        cb, cr = second - 128.0, third - 128.0  # JFIF_TO_RGB
-        red = tl.where(ycbcr, luma + _R_CR * cr, luma)
-        green = tl.where(ycbcr, luma - _G_CB * cb - _G_CR * cr, second)
-        blue = tl.where(ycbcr, luma + _B_CB * cb, third)
+        # JFIF (full-range BT.601), as libjpeg converts: Cb and Cr centred on 128
+        cb, cr = second - 128.0, third - 128.0
+        red = tl.where(ycbcr, luma + 1.402 * cr, luma)
+        green = tl.where(ycbcr, luma - 0.344136286 * cb - 0.714136286 * cr, second)
+        blue = tl.where(ycbcr, luma + 1.772 * cb, third)
         _store_uint8(out_ptr, image * 3, red, i, column, OUT_H, OUT_W, live)
         _store_uint8(out_ptr, image * 3 + 1, green, i, column, OUT_H, OUT_W, live)
         _store_uint8(out_ptr, image * 3 + 2, blue, i, column, OUT_H, OUT_W, live)

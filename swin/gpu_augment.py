@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.crop_resize import JFIF_TO_RGB, YCbCrImage, crop_resize, crop_resize_packed
+from kernels.crop_resize import YCbCrImage, crop_resize, crop_resize_packed
 from kernels.ops import interpreting
 from kernels.rand_augment import (
     AFFINE_BICUBIC,
@@ -123,8 +123,8 @@ def ycbcr_to_rgb(img: YCbCrImage) -> torch.Tensor:
     chroma = torch.stack([img.cb, img.cr])[None].float()
     chroma = F.interpolate(chroma, scale_factor=(2**sv, 2**sh), mode="bilinear", align_corners=False)
     cb, cr = (chroma[0, :, :height, :width] - 128).unbind()
-    y, (r_cr, g_cb, g_cr, b_cb) = img.y.float(), JFIF_TO_RGB
-    rgb = torch.stack([y + r_cr * cr, y - g_cb * cb - g_cr * cr, y + b_cb * cb])
+    y = img.y.float()
+    rgb = torch.stack([y + 1.402 * cr, y - 0.344136286 * cb - 0.714136286 * cr, y + 1.772 * cb])
     return rgb.round_().clamp_(0, 255).to(torch.uint8)
 
 

@@ -172,11 +172,7 @@ class HardwareJpegDecoder:
     (kernels.crop_resize.YCbCrImage), which the crop kernels convert: no nvJPEG conversion kernel per image."""
 
     def __init__(self, lib: ctypes.CDLL, first: BatchedDecoder):
-        self.lib, self.decoders, self.output = lib, {first.batch: first}, first.output
-
-    @property
-    def ycbcr(self) -> bool:
-        return self.output == OUTPUT_YUV
+        self.lib, self.decoders, self.ycbcr = lib, {first.batch: first}, first.output == OUTPUT_YUV
 
     def decode(self, blobs: list[Blob], planes: list[list[tuple[int, int]]]) -> list[torch.Tensor | YCbCrImage]:
         if self.ycbcr and any(len(p) != 3 for p in planes):
@@ -198,15 +194,15 @@ class HardwareJpegDecoder:
     def _call(self, blobs: list[Blob], planes: list[list[tuple[int, int]]]) -> list[torch.Tensor | YCbCrImage]:
         n = len(blobs)
         if n not in self.decoders:
-            self.decoders[n] = BatchedDecoder(self.lib, BACKEND_HARDWARE, n, self.output)
-        if self.ycbcr:
-            buffers = self.decoders[n].decode_planes(blobs, planes)
-            images = [YCbCrImage(*(part.view(size) for part, size in zip(b.split([h * w for h, w in p]), p)))
-                      for b, p in zip(buffers, planes)]
-        else:
+            self.decoders[n] = BatchedDecoder(self.lib, BACKEND_HARDWARE, n, OUTPUT_YUV if self.ycbcr else OUTPUT_RGB)
+        if not self.ycbcr:
             images = self.decoders[n](blobs, [p[0] for p in planes])
+            torch.cuda.current_stream().synchronize()
+            return images
+        buffers = self.decoders[n].decode_planes(blobs, planes)
         torch.cuda.current_stream().synchronize()
-        return images
+        return [YCbCrImage(*(part.view(size) for part, size in zip(b.split([h * w for h, w in p]), p)))
+                for b, p in zip(buffers, planes)]
 
 
 def open_hardware_decoder(device: torch.device, files_per_call: int, ycbcr: bool = False
