@@ -73,7 +73,8 @@ def worker_batch(device: torch.device, variant: str = "worker", files: int = 128
 def paced_worker(device: str, variant: str, files: int, rate: float, stop, batches, ready) -> None:
     """A spawned process: worker batches of ``files`` at ``rate`` img/s until ``stop``, counted in ``batches``."""
     device = torch.device(device)
-    if device.type == "cuda":
+    if device.type == "cuda":  # "cuda" alone names no index, which set_device needs
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     one = worker_batch(device, variant, files)
     one()  # compiles the kernels before the timed run starts
