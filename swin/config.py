@@ -75,6 +75,7 @@ class ImageFolderDataConfig(DataConfig):
     decode: str = MISSING
     gpu_decode_thread: bool = MISSING
     gpu_ycbcr: bool = MISSING  # data.decode=gpu training: YCbCr planes from the JPEG engines, converted in the crops
+    batch_ring: str = MISSING  # data.decode=gpu workers' batches: gpu (device memory over CUDA IPC) or host
     augment: str | None = MISSING  # null: where data.decode decodes
     mean: list[float] = MISSING
     std: list[float] = MISSING

@@ -196,6 +196,9 @@ def check_decode(cfg: Any, img_size: Any) -> None:
     if cfg.get("gpu_ycbcr", False) and decode_mode(cfg) != "gpu":
         raise ValueError("data.gpu_ycbcr=true decodes JPEG files to their YCbCr planes on the GPU's JPEG engines: it "
                          "needs data.decode=gpu (or drop data.gpu_ycbcr)")
+    if cfg.get("batch_ring", "host") not in ("gpu", "host"):
+        raise ValueError(f"data.batch_ring={cfg.batch_ring!r}: the decoding workers' batches wait for training in the "
+                         "GPU's memory (gpu) or in page-locked host memory (host); use one of those")
     if augment_mode(cfg) == "gpu":
         from .gpu_augment import eval_spec, train_spec
         train_spec(cfg, img_size)
@@ -394,8 +397,9 @@ class DeviceLoader:
     allocating (a block the consumer freed may be handed out again by the caching allocator while kernels
     reading it are still queued). On the CPU the same steps run in order.
     Batches must be consumed on the stream that is current when the iterator is advanced.
-    Batches of GPU-decoding workers (swin.gpu_data.DeviceCollate) come in slots of a ring of pinned buffers
-    (swin.batch_ring: images and targets copied from there, the slot given back once the copy is done) and also
+    Batches of GPU-decoding workers (swin.gpu_data.DeviceCollate) come in slots of a ring of buffers in pinned host
+    memory or the GPU's memory (swin.batch_ring: copied from there, or normalised in place; the slot given back once
+    that is done) and also
     name the files nvJPEG could not decode: counted in ``cpu_decoded`` (the first few kept in ``cpu_decoded_files``).
     """
 
@@ -426,17 +430,17 @@ class DeviceLoader:
         self.cpu_decoded_files += paths[:self.max_files - len(self.cpu_decoded_files)]
 
     def _to_device(self, x: Any, y: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(x, ReceivedBatch):  # in a slot of a ring (swin.batch_ring): given back once copied
-            received, (x, y) = x, x.to(self.device)
+        if isinstance(x, ReceivedBatch):  # in a slot of a ring (swin.batch_ring): given back once read
+            received, (x, y) = x, x.to(self.device, self.normalize)
             self._received.append(received)
             self._release_copied()  # (on the CPU, at once)
-        else:
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
+            return x, y
+        x = x.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
         return self.normalize(x), y
 
     def _release_copied(self) -> None:
-        """Give back the ring slots whose copies have finished, and wait for the oldest beyond the ring's limit."""
+        """Give back the ring slots whose reads have finished, and wait for the oldest beyond the ring's limit."""
         while self._received and (self._received[0].done() or
                                   len(self._received) > self._received[0].ring.in_flight_limit):
             self._received.popleft().release()
@@ -535,9 +539,9 @@ def _decoded_in_workers(ds: Dataset) -> bool:
 def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, batch_size: int, seed: int = 0) -> dict[str, Any]:
     """DataLoader settings shared by the training and evaluation loaders of folder datasets. data.decode=gpu: the
     workers decode and augment on `device` (swin.gpu_data.DeviceCollate), spawned when that is a GPU (a forked
-    process cannot use CUDA), and send each batch in a slot of a ring of shared buffers (swin.batch_ring, made
-    here); with a decoding thread they only read files. data.augment=gpu with CPU decoding: the workers decode and
-    pack each batch into one buffer, pinned here."""
+    process cannot use CUDA), and send each batch in a slot of a ring of buffers (swin.batch_ring, made here: in
+    pinned host memory, or the GPU's memory with data.batch_ring=gpu); with a decoding thread they only read files.
+    data.augment=gpu with CPU decoding: the workers decode and pack each batch into one buffer, pinned here."""
     workers = cfg.get("num_workers", 0)
     settings = dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
                     persistent_workers=workers > 0)
@@ -560,13 +564,14 @@ def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, batch_size: in
                     log.warning("data.decode=gpu: %d workers decode on the GPU, each in a CUDA context of its own, "
                                 "which the GPU time-slices with training unless MPS runs (no MPS daemon found): start "
                                 "`nvidia-cuda-mps-control -d` first (docs/data.md)", workers)
-            # every batch the DataLoader has in flight, plus the copies the consumer may not have finished
+            # every batch the DataLoader has in flight, plus the reads the consumer may not have finished
             prefetch = settings["prefetch_factor"] = 2
             slots = workers * prefetch + BatchRing.in_flight_limit + 1
+            on_gpu = device.type == "cuda" and cfg.get("batch_ring", "host") == "gpu"
             ring = BatchRing(slots, batch_size, transform_shape(encoded.device_transform),
-                             settings.get("multiprocessing_context"))
-        # the ring is pinned and nothing else in a batch is worth a pinning thread; decoded in this process, the
-        # batches are on the device already
+                             settings.get("multiprocessing_context"), device if on_gpu else None)
+        # the ring is on the GPU or pinned, and nothing else in a batch is worth a pinning thread; decoded in this
+        # process, the batches are on the device already
         settings["pin_memory"] = False
         settings["collate_fn"] = DeviceCollate(device, encoded.device_transform, encoded.skip_corrupt, seed, ring)
     return settings

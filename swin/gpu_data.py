@@ -8,9 +8,10 @@ the training process: nvJPEG's Huffman stage runs on the calling CPU thread and 
 of small kernels, ~45 ms of host time per batch of 128 (H100 host, docs/benchmarks.md); in the training process that
 time shares the GIL with the training loop (measured: training at 0.49x of its speed on synthetic data) and one
 process decodes at most ~6,400 img/s however many threads it uses. Each worker has its own CUDA context (spawned, as
-CUDA requires); the batch comes back through host memory (19 MB per 128 images at 224, a few ms of PCIe per batch)
-because a CUDA tensor shared across processes synchronises its receiver when freed: through a ring of shared,
-pinned buffers made once (swin.batch_ring), so that the training process receives a slot number per batch.
+CUDA requires); the batch goes to the training process in a slot of a ring of buffers it made once
+(swin.batch_ring), in pinned host memory (data.batch_ring=host, the default) or in the GPU's memory (opened by each
+worker over CUDA IPC when it starts; data.batch_ring=gpu), and only the slot's number travels: a new CUDA tensor
+shared per batch would synchronise its receiver when freed.
 
 Pieces, in the order a batch meets them (all in a worker process; in the training process with num_workers=0):
 

@@ -49,14 +49,18 @@ def _free_slots(ring: BatchRing, timeout_s: float = 10.0) -> int:
 WORKERS, BATCH = 2, 4
 
 
-def _ring_loader(slots: int, device: str = "cpu") -> tuple[_Images, BatchRing, DeviceLoader]:
-    """163 images in batches of 4 (40 per epoch, several times the slots: each slot is reused) from 2 workers."""
+def _ring_loader(slots: int, device: str = "cpu", ring_device: str | None = None
+                 ) -> tuple[_Images, BatchRing, DeviceLoader]:
+    """163 images in batches of 4 (40 per epoch, several times the slots: each slot is reused) from 2 workers;
+    ring_device: the ring's slots in that GPU's memory (the workers spawned, as CUDA IPC needs)."""
     seed = torch.randint(0, 1000, ()).item()
     ds = _Images(163, seed)
-    ring = BatchRing(slots, BATCH, (3, 6, 5))
+    context = "spawn" if ring_device else None
+    ring = BatchRing(slots, BATCH, (3, 6, 5), context, ring_device)
     sampler = ResumableDistributedSampler(ds, 1, 0, shuffle=True, seed=seed)
     dl = DataLoader(ds, batch_size=BATCH, sampler=sampler, drop_last=True, num_workers=WORKERS,
-                    collate_fn=_RingCollate(ring), persistent_workers=True, prefetch_factor=2)
+                    collate_fn=_RingCollate(ring), persistent_workers=True, prefetch_factor=2,
+                    multiprocessing_context=context)
     return ds, ring, DeviceLoader(dl, torch.device(device), _Normalize(torch.device(device), None, None), sampler)
 
 
@@ -168,7 +172,8 @@ def test_ring_says_when_shared_memory_is_too_small(monkeypatch):
     import shutil
     import types
     monkeypatch.setattr(shutil, "disk_usage", lambda path: types.SimpleNamespace(total=64 << 20, free=4 << 20))
-    with pytest.raises(RuntimeError, match=r"needs 423 MiB of shared memory and /dev/shm has 4 MiB free.*shm-size"):
+    with pytest.raises(RuntimeError,
+                       match=r"needs 423 MiB of shared memory and /dev/shm has 4 MiB free.*shm-size.*batch_ring=gpu"):
         BatchRing(2 * 8 + 7, 128, (3, 224, 224))  # 23 slots of 128 images of 3 x 224 x 224 and their targets
 
 
@@ -187,11 +192,13 @@ def test_a_slot_given_back_by_the_collector_inside_give_back_is_not_lost():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_ring_slots_are_reused_only_after_their_copies():
-    """CUDA: with the consumer's stream kept busy, the copies from the ring queue up behind its work; a slot given
-    back before its copy ran would be overwritten by a worker and show up in an earlier batch. Every batch of three
-    epochs (10 per slot) is checked after the last."""
-    ds, ring, loader = _ring_loader(WORKERS * 2 + BatchRing.in_flight_limit + 1, device="cuda")
+@pytest.mark.parametrize("ring_device", [None, "cuda"])
+def test_gpu_ring_slots_are_reused_only_after_their_copies(ring_device):
+    """CUDA: with the consumer's stream kept busy, the reads of the ring (copies from pinned host memory, or the
+    normalisation reading slots in the GPU's memory that spawned workers write over CUDA IPC) queue up behind its
+    work; a slot given back before its read ran would be overwritten by a worker and show up in an earlier batch.
+    Every batch of three epochs (10 per slot) is checked after the last."""
+    ds, ring, loader = _ring_loader(WORKERS * 2 + BatchRing.in_flight_limit + 1, "cuda", ring_device)
     busy = torch.randn(2048, 2048, device="cuda")
     got, want = [], []
     for epoch in range(3):
@@ -202,7 +209,7 @@ def test_gpu_ring_slots_are_reused_only_after_their_copies():
                 busy = busy @ busy / 45
             got.append((x, y))
             want.append(_expected(ds, order, k))
-    assert ring.images.is_pinned()
+    assert ring.images.is_cuda if ring_device else ring.images.is_pinned()
     for (x, y), (wx, wy) in zip(got, want, strict=True):
         assert torch.equal(x.cpu(), wx) and torch.equal(y.cpu(), wy)
     torch.cuda.synchronize()
@@ -233,3 +240,33 @@ def test_gpu_ring_copies_from_pinned_slots_without_syncing():
     received.release()  # waits for the copy, then frees the slot
     assert received.done() and torch.equal(x.cpu(), fresh) and torch.equal(y.cpu(), torch.arange(64))
     assert _free_slots(ring) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_ring_in_device_memory_is_read_in_place_without_syncing():
+    """CUDA, slots in the GPU's memory: put() has finished writing when it returns; to() hands out the transform of
+    the slot and a copy of its targets, queued without a host sync, in memory of their own (the slot can be
+    overwritten afterwards), and the slot comes back only after those reads have run."""
+    ring = BatchRing(1, 64, (3, 224, 224), device="cuda")
+    fresh = torch.randint(0, 256, (64, 3, 224, 224), dtype=torch.uint8, device="cuda")
+    labels = torch.randint(0, 1000, (64,))
+    received = pickle.loads(pickle.dumps(ring.put(fresh, labels)))
+    assert ring.on_device and not ring.images.is_pinned() and torch.equal(ring.images[0], fresh)
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):  # queue work ahead of the reads: they cannot have run when `to` returns
+            busy = busy @ busy / 64
+        x, y = received.to(torch.device("cuda"), lambda t: t.float().div_(255))
+        assert not received.done()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    received.release()  # waits for the reads, then frees the slot
+    assert received.done() and _free_slots(ring) == 1
+    ring.images.zero_()
+    ring.targets.zero_()
+    assert torch.equal(x, fresh.float() / 255) and torch.equal(y.cpu(), labels)
+    with pytest.raises(ValueError, match="a batch in a ring on cuda:0 was asked for on cpu"):
+        pickle.loads(pickle.dumps(ring.put(fresh, labels))).to(torch.device("cpu:0"))

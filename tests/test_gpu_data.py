@@ -816,13 +816,14 @@ def test_gpu_decode_workers_get_an_indexed_device_and_spawn(monkeypatch, tmp_pat
     (tmp_path / "c0").mkdir()
     (tmp_path / "c0" / "a.JPEG").write_bytes(b"never read")
     ds = EncodedImageFolder(tmp_path, ga.TrainTransform(ga.TrainSpec((8, 8))), skip_corrupt=False)
-    cfg = {"num_workers": 4}
+    cfg = {"num_workers": 4, "batch_ring": "host"}  # (the default, a ring in the GPU's memory: a GPU test below)
     spawned = _worker_settings(cfg, torch.device("cuda", 0), ds, batch_size=16)
     assert spawned["multiprocessing_context"] == "spawn" and not spawned["pin_memory"]  # the ring is pinned
     ring = spawned["collate_fn"].ring
     assert isinstance(spawned["collate_fn"], DeviceCollate) and isinstance(ring, BatchRing)
-    # the DataLoader's batches in flight (2 per worker) and the consumer's unfinished copies
+    # the DataLoader's batches in flight (2 per worker) and the consumer's unfinished reads
     assert ring.images.shape == (4 * 2 + BatchRing.in_flight_limit + 1, 16, 3, 8, 8) and ring.images.is_shared()
+    assert not ring.on_device
     assert spawned["prefetch_factor"] == 2
     in_process = _worker_settings({"num_workers": 0}, torch.device("cuda", 0), ds, batch_size=16)
     assert not in_process["pin_memory"] and "multiprocessing_context" not in in_process
@@ -916,12 +917,14 @@ def test_decode_config_errors_name_the_value():
     assert "data.gpu_decode_thread=true" in msg and "data.decode=gpu" in msg and "\n" not in msg
     msg = error("data.gpu_ycbcr=true")
     assert "data.gpu_ycbcr=true" in msg and "data.decode=gpu" in msg and "\n" not in msg
+    msg = error("data.decode=gpu", "data.batch_ring=pinned")
+    assert "data.batch_ring='pinned'" in msg and "gpu" in msg and "host" in msg and "\n" not in msg
     msg = error("data.augment=tpu")
     assert "data.augment='tpu'" in msg and "cpu" in msg and "gpu" in msg and "\n" not in msg
     assert "data.augment=cpu with data.decode=gpu" in error("data.decode=gpu", "data.augment=cpu")
     assert "data.auto_augment='augmix-m5'" in error("data.augment=gpu", "data.auto_augment=augmix-m5")
     for ok in (["data.decode=gpu"], ["data.augment=gpu"], ["data.decode=gpu", "data.augment=gpu"],
-               ["data.decode=gpu", "data.gpu_ycbcr=true"]):
+               ["data.decode=gpu", "data.gpu_ycbcr=true"], ["data.decode=gpu", "data.batch_ring=host"]):
         check_config(make_cfg("data=imagenet", "data.root=/nowhere", *ok), 1, torch.device("cpu"))
 
 
@@ -1108,11 +1111,13 @@ def _fingerprints(loader, busy: torch.Tensor | None = None) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("workers, thread", [(0, False), (2, False), (2, True), (2, "decoded")])
-def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path, workers, thread):
+@pytest.mark.parametrize("workers, thread, ring", [(0, False, "gpu"), (2, False, "gpu"), (2, False, "host"),
+                                                   (2, True, "gpu"), (2, "decoded", "gpu")])
+def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path, workers, thread, ring):
     """CUDA: batches decoded and augmented on the GPU by spawned workers (or by this process, or by a decoding thread
     fed by workers: data.gpu_decode_thread; or decoded on the CPU by workers and augmented on the GPU by a thread:
-    data.augment=gpu), copied and normalised on the loader's side stream one batch ahead,
+    data.augment=gpu), the workers' batches left in a ring in the GPU's memory (data.batch_ring=gpu, the default) or
+    in pinned host memory, normalised (copied first from the host) on the loader's side stream one batch ahead,
     consumed on the default stream while it is kept busy and frees every batch; with decoding workers, CUDA sync
     debug mode 'error' catches a host sync torch makes in this process (in-process decoding and the decoding thread
     wait for nvJPEG by design). The batches equal the CPU pipeline's on the same files
@@ -1126,13 +1131,15 @@ def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path, work
         d.mkdir(parents=True, exist_ok=True)
         (d / f"{k}.JPEG").write_bytes(_jpeg(photos[k % len(photos)].rotate(90 * (k // 8), expand=True)))
     cfg = make_cfg("experiment=imagenet_swin_tiny", f"data.root={tmp_path}", "data.val_dir=train",
-                   f"data.num_workers={workers}", "data.reprob=0",
+                   f"data.num_workers={workers}", "data.reprob=0", f"data.batch_ring={ring}",
                    *(["data.decode=cpu", "data.augment=gpu"] if thread == "decoded" else
                      ["data.decode=gpu", f"data.gpu_decode_thread={thread}"])).data
     prints = {}
     busy = torch.randn(2048, 2048, device="cuda")
     for device in ("cpu", "cuda"):
         train, val = build_loaders(build_datasets(cfg, 224), cfg, torch.device(device), 0, 1, 8, 8, seed=0)
+        if device == "cuda" and workers and not thread:
+            assert train.loader.collate_fn.ring.on_device == (ring == "gpu")
         train.set_epoch(0)
         torch.cuda.synchronize()
         # (sync debug mode is process-wide: a decoding thread, which waits for nvJPEG by design, would trip it)
