@@ -39,14 +39,19 @@
 #                                         # decoding workers' GPU work, feeding nothing (scripts/bench_worker_cost.py;
 #                                         # COST_ARGS="--variants worker no-host-copy ...": one run beside each;
 #                                         # ~4 min, +~2 per variant after the first)
+#   MPS=1 bash scripts/gpu_session.sh train-side  # train.py on a generated folder with data.decode=gpu (batch ring in
+#                                         # host and in GPU memory), beside data=synthetic and scripts/train_replay.py
+#                                         # (the workers read files but do no GPU work: the training process's own
+#                                         # side); last epoch's img/s of each in $OUT/train_side.md; ~7 min from cold
+#                                         # (SIDE_ROWS="synthetic replay gpu_host gpu_ring" picks and orders them)
 #   bash scripts/gpu_session.sh gelu      # cuBLAS fc1, fc1 + GELU and fc1 with cuBLASLt's GELU epilogue at Swin-T's fc1
 #                                         # shapes: times, errors vs float64 (scripts/bench_fc1_gelu.py;
 #                                         # GELU_ARGS="--model base --batch 64 --dtype fp16")
 # Hydra is missing on the device machine: carry .whl (../shared/device-wheels/, see its README).
 set -uo pipefail
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu|augment|worker-cost) ;;
-  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu|augment|worker-cost" >&2
+  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu|augment|worker-cost|train-side) ;;
+  *) echo "usage: bash scripts/gpu_session.sh tests|kernel|e2e|e2e-base|e2e-v2|loop|data|profile|contention|nvjpeg-hw|gelu|augment|worker-cost|train-side" >&2
      exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
@@ -184,6 +189,31 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
 synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthetic'))))" $Q)
     python scripts/bench_worker_cost.py --workers 8 --rate 5800 ${COST_ARGS:-} --out "$R" -- python train.py $S \
       data=synthetic data.train_samples=20480 data.val_samples=128 data.num_classes=64 2>&1 | tee "$OUT/worker_cost.md" ;;
+  train-side)
+    # the folder is written while the synthetic row compiles; each row's train.log is copied to $OUT/train_side
+    R=/tmp/train_side; rm -rf "$R/runs"; mkdir -p "$R/runs" "$OUT/train_side"
+    [ -d "$R/fakenet" ] || python scripts/make_imagefolder.py "$R/fakenet" --classes 64 --train-per-class 320 \
+      --val-per-class 2 --quality 90 --seed 0 > "$OUT/train_side/make_imagefolder.txt" 2>&1 &
+    MAKE=$!
+    Q="experiment=imagenet_swin_tiny train.batch_size=128 train.epochs=3 train.warmup_epochs=1 train.compile=true
+       train.compile_mode=reduce-overhead train.save_every_epochs=0 train.save_every_steps=0 train.eval_every=1000
+       logger.wandb.mode=disabled logger.progress=false"
+    S=$(python -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from bench_data import \
+synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthetic'))))" $Q)
+    G="$Q data.root=$R/fakenet data.decode=gpu data.num_workers=8"
+    echo "| train.py (under MPS: ${MPS:-0}) | last epoch |" > "$OUT/train_side.md"; echo "|---|---|" >> "$OUT/train_side.md"
+    for row in ${SIDE_ROWS:-synthetic replay gpu_host gpu_ring}; do
+      case $row in
+        synthetic) cmd="python train.py $S data=synthetic data.train_samples=20480 data.val_samples=128 data.num_classes=64" ;;
+        replay) wait $MAKE; cmd="python scripts/train_replay.py $G" ;;
+        gpu_host) wait $MAKE; cmd="python train.py $G data.batch_ring=host" ;;
+        gpu_ring) wait $MAKE; cmd="python train.py $G data.batch_ring=gpu" ;;
+        *) echo "unknown row $row"; continue ;;
+      esac
+      timeout 300 $cmd hydra.run.dir="$R/runs/$row" > "$OUT/train_side/$row.log" 2>&1
+      echo "| $row | $(grep -h 'epoch 3/3' "$OUT/train_side/$row.log" | sed 's/.*, \([0-9]* img\/s\)/\1/') |" \
+        | tee -a "$OUT/train_side.md"
+    done ;;
   gelu)
     python scripts/bench_fc1_gelu.py ${GELU_ARGS:-} 2>&1 | tee "$OUT/bench_fc1_gelu.md" ;;
   nvjpeg-hw)

@@ -513,3 +513,52 @@ def test_bench_augment_kernels_sweeps_and_restores_the_launch_geometry(monkeypat
     assert all(c[2].strip() in ("0", "") for c in cells)  # the same output at every geometry
     assert (bench.cr.GPU_BLOCK, bench.cr.GPU_WARPS, bench.ra.APPLY_BLOCK, bench.ra.APPLY_WARPS) == shipped
 
+
+
+def test_train_replay_puts_noise_and_labels_in_the_ring_without_decoding(tmp_path, monkeypatch):
+    """scripts/train_replay.py: its collate never decodes (the decoder would raise) and leaves the worker's fixed
+    noise batch and the files' own labels in a ring slot; the script runs train.py through it end to end (on the
+    CPU, with forked workers), and refuses a command without data.decode=gpu."""
+    import io
+    import pickle
+
+    import torch
+    from PIL import Image
+
+    from scripts import train_replay
+    from swin import gpu_augment as ga
+    from swin.batch_ring import BatchRing
+    from swin.gpu_data import DeviceCollate
+
+    def jpeg(seed: int) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(torch.randint(0, 256, (40, 50, 3), dtype=torch.uint8,
+                                      generator=torch.Generator().manual_seed(seed)).numpy()).save(buf, "JPEG")
+        return buf.getvalue()
+
+    ring = BatchRing(2, 4, (3, 16, 16))
+    collate = train_replay.ReplayCollate(DeviceCollate(torch.device("cpu"), ga.TrainTransform(ga.TrainSpec((16, 16))),
+                                                       skip_corrupt=False, ring=ring))
+    monkeypatch.setattr(collate, "decoder", lambda *a: pytest.fail("the replay decoded a file"))
+    labels = torch.randint(0, 1000, (3,)).tolist()
+    received = pickle.loads(pickle.dumps(collate([(jpeg(k), y, f"{k}.JPEG", k) for k, y in enumerate(labels)])[0]))
+    x, y = received.to(torch.device("cpu"))
+    assert torch.equal(x, collate.noise[:3]) and torch.equal(y, torch.tensor(labels))
+    assert collate.noise.float().std() > 50  # noise, not zeros
+    received.release()
+    for split in ("train", "val"):
+        for c in range(2):
+            (tmp_path / "d" / split / f"c{c}").mkdir(parents=True)
+            for k in range(8):
+                (tmp_path / "d" / split / f"c{c}" / f"{k}.JPEG").write_bytes(jpeg(100 * c + k))
+    args = ["experiment=imagenet_swin_tiny", "model=swin_micro", f"data.root={tmp_path / 'd'}",
+            "data.num_workers=2", "train.batch_size=4", "train.epochs=1", "train.warmup_epochs=0",
+            "train.save_every_epochs=0", "train.save_every_steps=0", "logger.wandb.mode=disabled",
+            "logger.progress=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    stdout = run_script([str(ROOT / "scripts/train_replay.py"), "data.decode=gpu", *args], cwd=tmp_path, timeout=200)
+    assert "train_replay: 2 loader workers put noise batches in the ring" in stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert positive(summary["images_per_sec"]) and summary["epochs"] == 1 and summary["cpu_decoded_images"] == 0
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/train_replay.py"), *args], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "give data.decode=gpu" in r.stderr
