@@ -19,8 +19,10 @@
 #                                         # (DATA_ARGS: more overrides, e.g. "loader.cpu_workers=[16] loader.gpu_workers=[8]")
 #   MPS=1 bash scripts/gpu_session.sh profile  # train.py's own GPU work and data wait per step over batches 200-239
 #                                         # (scripts/profile_train_step.py): the ImageNet recipe with data.decode=gpu,
-#                                         # then the same recipe on synthetic data; PROFILE_ARGS: more overrides of
-#                                         # the decode=gpu run (e.g. data.reprob=0); ~6 min; JSON in $OUT/profile_*.json;
+#                                         # then the same recipe on synthetic data (PROFILE_ROWS="replay synthetic":
+#                                         # the decoding run's workers doing no GPU work, scripts/train_replay.py);
+#                                         # PROFILE_ARGS: more overrides of the decode=gpu run (e.g. data.reprob=0);
+#                                         # ~6 min; JSON in $OUT/profile_*.json;
 #                                         # with py-spy's wheel in .whl, which thread holds the GIL after the window
 #   bash scripts/gpu_session.sh contention  # GPU decoding in worker processes vs threads beside a CUDA-graph step
 #                                         # waited for by device sync, event sync or event polling (--waits), with
@@ -140,10 +142,10 @@ case "${1:-}" in
     Q="experiment=imagenet_swin_tiny train.batch_size=128 train.epochs=3 train.warmup_epochs=1 train.compile=true
        train.compile_mode=reduce-overhead train.save_every_epochs=0 train.save_every_steps=0 train.eval_every=1000
        logger.wandb.mode=disabled logger.progress=false"
-    profile_run() {  # NAME TIMEOUT OVERRIDES...: the profiled window, then (py-spy carried in .whl) 4 s of which
-      # thread holds the GIL (py-spy --gil: only GIL holders are sampled), per thread, in epoch 3
-      local name=$1 limit=$2; shift 2
-      timeout "$limit" python scripts/profile_train_step.py --json "$OUT/profile_$name.json" -- "$@" \
+    profile_run() {  # NAME TIMEOUT "FLAGS" OVERRIDES...: the profiled window, then (py-spy carried in .whl) 4 s of
+      # which thread holds the GIL (py-spy --gil: only GIL holders are sampled), per thread, in epoch 3
+      local name=$1 limit=$2 flags=$3; shift 3
+      timeout "$limit" python scripts/profile_train_step.py $flags --json "$OUT/profile_$name.json" -- "$@" \
         > "$R/$name.out" 2>&1 &
       local job=$!
       if command -v py-spy >/dev/null; then
@@ -164,12 +166,18 @@ total = sum(threads.values()) or 1
 print('GIL held (share of samples with a holder):', ', '.join(f'{t} {n / total:.0%}' for t, n in threads.most_common(6)))
 " "$OUT/gil_$name.txt"
     }
-    profile_run gpu 360 $Q data.root="$R/fakenet" data.decode=gpu data.num_workers=8 hydra.run.dir="$R/gpu" \
-      ${PROFILE_ARGS:-}
     # the same model and training recipe on data=synthetic, as scripts/bench_data.py composes its synthetic row
     S=$(python -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from bench_data import \
 synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthetic'))))" $Q hydra.run.dir="$R/synthetic")
-    profile_run synthetic 200 $S data=synthetic data.train_samples=20480 data.val_samples=128 data.num_classes=64 ;;
+    G="$Q data.root=$R/fakenet data.decode=gpu data.num_workers=8"
+    for row in ${PROFILE_ROWS:-gpu synthetic}; do  # replay: the workers do no GPU work (scripts/train_replay.py)
+      case $row in
+        gpu) profile_run gpu 360 "" $G hydra.run.dir="$R/gpu" ${PROFILE_ARGS:-} ;;
+        replay) profile_run replay 300 --replay $G hydra.run.dir="$R/replay" ${PROFILE_ARGS:-} ;;
+        synthetic) profile_run synthetic 200 "" $S data=synthetic data.train_samples=20480 data.val_samples=128 \
+          data.num_classes=64 ;;
+      esac
+    done ;;
   contention)
     python scripts/bench_decode_contention.py --trace ${CONTENTION_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/contention.md" ;;
   augment)

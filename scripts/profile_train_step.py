@@ -136,10 +136,16 @@ def main() -> None:
     parser.add_argument("--stop", type=int, default=240, help="the window ends when this batch is fetched (keep it "
                         "inside one epoch: its end's evaluation and checkpoint would count)")
     parser.add_argument("--json", help="write the window's numbers and top kernels here")
+    parser.add_argument("--replay", action="store_true", help="data.decode=gpu's workers read files but do no GPU "
+                        "work (scripts/train_replay.py): the training process's own side of each batch")
     parser.add_argument("overrides", nargs="*", help="train.py's Hydra overrides (after --)")
     args = parser.parse_args()
     if not 1 < args.start < args.stop:
         parser.error("--start must be above 1 and below --stop")
+    if args.replay:
+        sys.path.insert(0, str(ROOT / "scripts"))  # the workers unpickle train_replay's collate by that name
+        from train_replay import replaying
+        swin_data._worker_settings = replaying(swin_data._worker_settings)
     state = install_hooks(args.start, args.stop, args.json)
     sys.argv = [str(ROOT / "train.py"), *args.overrides]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

@@ -518,7 +518,8 @@ def test_bench_augment_kernels_sweeps_and_restores_the_launch_geometry(monkeypat
 def test_train_replay_puts_noise_and_labels_in_the_ring_without_decoding(tmp_path, monkeypatch):
     """scripts/train_replay.py: its collate never decodes (the decoder would raise) and leaves the worker's fixed
     noise batch and the files' own labels in a ring slot; the script runs train.py through it end to end (on the
-    CPU, with forked workers), and refuses a command without data.decode=gpu."""
+    CPU, with forked workers), and refuses a command without data.decode=gpu; profile_train_step.py --replay profiles
+    a run through it."""
     import io
     import pickle
 
@@ -562,3 +563,11 @@ def test_train_replay_puts_noise_and_labels_in_the_ring_without_decoding(tmp_pat
     r = subprocess.run([sys.executable, str(ROOT / "scripts/train_replay.py"), *args], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "give data.decode=gpu" in r.stderr
+    # profile_train_step.py --replay: the same replaying loader, profiled (8 batches of 2 per epoch)
+    out = tmp_path / "profile.json"
+    args = [a.replace("train.batch_size=4", "train.batch_size=2").replace("/run", "/profiled") for a in args]
+    stdout = run_script([str(ROOT / "scripts/profile_train_step.py"), "--replay", "--start", "3", "--stop", "6",
+                         "--json", str(out), "--", "data.decode=gpu", *args], cwd=tmp_path, timeout=200)
+    assert "train_replay: 2 loader workers put noise batches in the ring" in stdout
+    result = json.loads(out.read_text())
+    assert result["steps"] == 3 and 0 <= result["dataloader_next_ms"] <= result["data_wait_ms"] < result["wall_ms"]
