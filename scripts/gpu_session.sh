@@ -45,7 +45,8 @@
 #                                         # host and in GPU memory), beside data=synthetic and scripts/train_replay.py
 #                                         # (the workers read files but do no GPU work: the training process's own
 #                                         # side); last epoch's img/s of each in $OUT/train_side.md; ~7 min from cold
-#                                         # (SIDE_ROWS="synthetic replay gpu_host gpu_ring" picks and orders them)
+#                                         # (SIDE_ROWS="synthetic replay gpu_host gpu_ring" picks and orders them;
+#                                         # SIDE_ARGS: overrides for every row, e.g. train.max_nonfinite=50)
 #   bash scripts/gpu_session.sh gelu      # cuBLAS fc1, fc1 + GELU and fc1 with cuBLASLt's GELU epilogue at Swin-T's fc1
 #                                         # shapes: times, errors vs float64 (scripts/bench_fc1_gelu.py;
 #                                         # GELU_ARGS="--model base --batch 64 --dtype fp16")
@@ -218,7 +219,7 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
         gpu_ring) wait $MAKE; cmd="python train.py $G data.batch_ring=gpu" ;;
         *) echo "unknown row $row"; continue ;;
       esac
-      timeout 300 $cmd hydra.run.dir="$R/runs/$row" > "$OUT/train_side/$row.log" 2>&1
+      timeout 300 $cmd ${SIDE_ARGS:-} hydra.run.dir="$R/runs/$row" > "$OUT/train_side/$row.log" 2>&1
       echo "| $row | $(grep -h 'epoch 3/3' "$OUT/train_side/$row.log" | sed 's/.*, \([0-9]* img\/s\)/\1/') |" \
         | tee -a "$OUT/train_side.md"
     done ;;
