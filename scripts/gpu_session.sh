@@ -41,12 +41,12 @@
 #                                         # decoding workers' GPU work, feeding nothing (scripts/bench_worker_cost.py;
 #                                         # COST_ARGS="--variants worker no-host-copy ...": one run beside each;
 #                                         # ~4 min, +~2 per variant after the first)
-#   MPS=1 bash scripts/gpu_session.sh train-side  # train.py on a generated folder with data.decode=gpu (batch ring in
-#                                         # host and in GPU memory), beside data=synthetic and scripts/train_replay.py
-#                                         # (the workers read files but do no GPU work: the training process's own
-#                                         # side); last epoch's img/s of each in $OUT/train_side.md; ~7 min from cold
-#                                         # (SIDE_ROWS="synthetic replay gpu_host gpu_ring" picks and orders them;
-#                                         # SIDE_ARGS: overrides for every row, e.g. train.max_nonfinite=50)
+#   MPS=1 bash scripts/gpu_session.sh train-side  # train.py on data=synthetic, then on a generated folder through
+#                                         # scripts/train_replay.py (the workers read files, no decoding or
+#                                         # augmentation: the training process's own side) and with data.decode=gpu;
+#                                         # last epoch's img/s of each in $OUT/train_side.md; ~8 min from cold
+#                                         # (SIDE_ROWS: of synthetic replay gpu_host gpu_ring, the first three by
+#                                         # default; SIDE_ARGS: overrides for every row, e.g. train.max_nonfinite=50)
 #   bash scripts/gpu_session.sh gelu      # cuBLAS fc1, fc1 + GELU and fc1 with cuBLASLt's GELU epilogue at Swin-T's fc1
 #                                         # shapes: times, errors vs float64 (scripts/bench_fc1_gelu.py;
 #                                         # GELU_ARGS="--model base --batch 64 --dtype fp16")
@@ -138,7 +138,7 @@ case "${1:-}" in
     python scripts/loop_report.py "$OUT" | tee "$OUT/loop.md" ;;
   profile)
     # 64 classes x 320 files: 160 steps per epoch, so batches 200-239 lie inside epoch 2 (past compilation)
-    R=/tmp/profile; rm -rf "$R/gpu" "$R/synthetic"; mkdir -p "$R"
+    R=/tmp/profile; rm -rf "$R/gpu" "$R/replay" "$R/synthetic"; mkdir -p "$R"
     python scripts/make_imagefolder.py "$R/fakenet" --classes 64 --train-per-class 320 --val-per-class 2 --seed 0 | tail -1
     Q="experiment=imagenet_swin_tiny train.batch_size=128 train.epochs=3 train.warmup_epochs=1 train.compile=true
        train.compile_mode=reduce-overhead train.save_every_epochs=0 train.save_every_steps=0 train.eval_every=1000
@@ -163,11 +163,13 @@ threads = collections.Counter()
 for line in open(sys.argv[1]):
     stack, _, n = line.rstrip().rpartition(' ')
     threads[next((f for f in stack.split(';') if f.startswith('thread')), '?')[:60]] += int(n or 0)
-total = sum(threads.values()) or 1
+total = sum(threads.values())
+if not total:
+    sys.exit('py-spy recorded no sample holding the GIL')
 print('GIL held (share of samples with a holder):', ', '.join(f'{t} {n / total:.0%}' for t, n in threads.most_common(6)))
 # only GIL holders are sampled: the samples against 4 s x 200 Hz are the share of time some thread held it (the
 # training loop near 100% would be host-bound)
-print(f'GIL held {total / 800:.0%} of the 4 s ({total} of 800 samples)')
+print(f'GIL held {total / 800:.0%} of the 4 s ({total} of 800 samples; fewer if py-spy fell behind)')
 " "$OUT/gil_$name.txt"
     }
     # the same model and training recipe on data=synthetic, as scripts/bench_data.py composes its synthetic row
@@ -180,6 +182,7 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
         replay) profile_run replay 300 --replay $G hydra.run.dir="$R/replay" ${PROFILE_ARGS:-} ;;
         synthetic) profile_run synthetic 200 "" $S data=synthetic data.train_samples=20480 data.val_samples=128 \
           data.num_classes=64 ;;
+        *) echo "unknown profile row $row (gpu, replay, synthetic)" ;;
       esac
     done ;;
   contention)
@@ -202,11 +205,13 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
     python scripts/bench_worker_cost.py --workers 8 --rate 5800 ${COST_ARGS:-} --out "$R" -- python train.py $S \
       data=synthetic data.train_samples=20480 data.val_samples=128 data.num_classes=64 2>&1 | tee "$OUT/worker_cost.md" ;;
   train-side)
-    # the folder is written while the synthetic row compiles; each row's train.log is copied to $OUT/train_side
-    R=/tmp/train_side; rm -rf "$R/runs"; mkdir -p "$R/runs" "$OUT/train_side"
-    [ -d "$R/fakenet" ] || python scripts/make_imagefolder.py "$R/fakenet" --classes 64 --train-per-class 320 \
-      --val-per-class 2 --quality 90 --seed 0 > "$OUT/train_side/make_imagefolder.txt" 2>&1 &
-    MAKE=$!
+    # each row's train.log goes to $OUT/train_side; the folder is written once per machine (renamed into place whole)
+    R=/tmp/train_side; rm -rf "$R/runs" "$R/fakenet.part"; mkdir -p "$R/runs" "$OUT/train_side"
+    if [ ! -d "$R/fakenet" ]; then
+      python scripts/make_imagefolder.py "$R/fakenet.part" --classes 64 --train-per-class 320 --val-per-class 2 \
+        --quality 90 --seed 0 > "$OUT/train_side/make_imagefolder.txt" 2>&1 && mv "$R/fakenet.part" "$R/fakenet" \
+        || { echo "make_imagefolder.py failed: $OUT/train_side/make_imagefolder.txt"; exit 1; }
+    fi
     Q="experiment=imagenet_swin_tiny train.batch_size=128 train.epochs=3 train.warmup_epochs=1 train.compile=true
        train.compile_mode=reduce-overhead train.save_every_epochs=0 train.save_every_steps=0 train.eval_every=1000
        logger.wandb.mode=disabled logger.progress=false"
@@ -214,17 +219,18 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
 synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthetic'))))" $Q)
     G="$Q data.root=$R/fakenet data.decode=gpu data.num_workers=8"
     echo "| train.py (under MPS: ${MPS:-0}) | last epoch |" > "$OUT/train_side.md"; echo "|---|---|" >> "$OUT/train_side.md"
-    for row in ${SIDE_ROWS:-synthetic replay gpu_host gpu_ring}; do
+    for row in ${SIDE_ROWS:-synthetic replay gpu_host}; do
       case $row in
         synthetic) cmd="python train.py $S data=synthetic data.train_samples=20480 data.val_samples=128 data.num_classes=64" ;;
-        replay) wait $MAKE; cmd="python scripts/train_replay.py $G" ;;
-        gpu_host) wait $MAKE; cmd="python train.py $G data.batch_ring=host" ;;
-        gpu_ring) wait $MAKE; cmd="python train.py $G data.batch_ring=gpu" ;;
+        replay) cmd="python scripts/train_replay.py $G" ;;
+        gpu_host) cmd="python train.py $G data.batch_ring=host" ;;
+        gpu_ring) cmd="python train.py $G data.batch_ring=gpu" ;;
         *) echo "unknown row $row"; continue ;;
       esac
       timeout 300 $cmd ${SIDE_ARGS:-} hydra.run.dir="$R/runs/$row" > "$OUT/train_side/$row.log" 2>&1
-      echo "| $row | $(grep -h 'epoch 3/3' "$OUT/train_side/$row.log" | sed 's/.*, \([0-9]* img\/s\)/\1/') |" \
-        | tee -a "$OUT/train_side.md"
+      rc=$?
+      last=$(grep -h 'epoch 3/3' "$OUT/train_side/$row.log" | sed -n 's/.*, \([0-9]* img\/s\).*/\1/p')
+      echo "| $row | ${last:-no last epoch (exit $rc), see train_side/$row.log} |" | tee -a "$OUT/train_side.md"
     done ;;
   gelu)
     python scripts/bench_fc1_gelu.py ${GELU_ARGS:-} 2>&1 | tee "$OUT/bench_fc1_gelu.md" ;;

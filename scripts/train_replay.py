@@ -1,9 +1,10 @@
-"""train.py with data.decode=gpu whose loader workers do no GPU work: the training process's side of GPU decoding.
+"""train.py with data.decode=gpu whose loader workers neither decode nor augment: the training process's side of it.
 
 Each worker still reads its batch's files and collates them, then puts one fixed random uint8 batch (made once per
 worker, in host memory) with the batch's real labels into the loader's ring (swin.batch_ring) instead of decoding
-and augmenting on the GPU. Everything in the training process runs as in data.decode=gpu: the DataLoader, the ring
-(data.batch_ring), the side stream's copy, normalisation and erasing. Against train.py on synthetic data (no
+and augmenting on the GPU (with data.batch_ring=gpu that is a copy to the GPU, their only GPU work). Everything in
+the training process runs as in data.decode=gpu: the DataLoader, the ring, the side stream's copy (host ring),
+normalisation and erasing. Against train.py on synthetic data (no
 loader) this prices the training process's own side of each batch; scripts/bench_worker_cost.py prices the
 workers' GPU work beside synthetic data. The loss it reports is meaningless (noise images).
 
@@ -44,16 +45,19 @@ class ReplayCollate(DeviceCollate):
 
 
 def replaying(worker_settings: Any) -> Any:
-    """swin.data._worker_settings, with ReplayCollate where the loader's workers decode into a ring."""
+    """swin.data._worker_settings, with ReplayCollate for the collate of workers that decode into a ring (an error
+    for any other loader: it would not be a replay)."""
     def settings(*args: Any, **kwargs: Any) -> dict[str, Any]:
         s = worker_settings(*args, **kwargs)
         collate = s.get("collate_fn")
-        if isinstance(collate, DeviceCollate) and collate.ring is not None:
-            # imported by its module name, not as __main__: spawned workers unpickle it from there
-            from train_replay import ReplayCollate as Replay
-            s["collate_fn"] = Replay(collate)
-            print(f"train_replay: {s['num_workers']} loader workers put noise batches in the ring (no decoding)",
-                  flush=True)
+        if not (isinstance(collate, DeviceCollate) and collate.ring is not None):
+            raise SystemExit("train_replay.py replays loader workers that decode into a ring: it needs "
+                             "data.num_workers > 0 and no data.gpu_decode_thread or data.augment=gpu")
+        # imported by its module name, not as __main__: spawned workers unpickle it from there
+        from train_replay import ReplayCollate as Replay
+        s["collate_fn"] = Replay(collate)
+        print(f"train_replay: {s['num_workers']} loader workers put noise batches in the ring (no decoding)",
+              flush=True)
         return s
     return settings
 
@@ -61,8 +65,8 @@ def replaying(worker_settings: Any) -> Any:
 def main() -> None:
     import swin.data
     if not any(arg.startswith("data.decode=gpu") for arg in sys.argv[1:]):
-        raise SystemExit("train_replay.py replays data.decode=gpu's workers: give data.decode=gpu and "
-                         "data.num_workers > 0 with train.py's other arguments")
+        raise SystemExit("train_replay.py replays data.decode=gpu's workers: give data.decode=gpu with train.py's "
+                         "other arguments")
     swin.data._worker_settings = replaying(swin.data._worker_settings)
     sys.argv[0] = str(ROOT / "train.py")
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

@@ -162,7 +162,7 @@ class BatchRing:
             raise RuntimeError(f"no free slot in the loader's batch ring for {timeout_s:.0f} s: the training process "
                                "stopped giving batches back") from None
         try:
-            self.images[slot, :n].copy_(images)  # from the device to the host: synchronous
+            self.images[slot, :n].copy_(images)  # into host memory: synchronous; on the GPU: waited for below
             self.targets[slot, :n].copy_(targets)
             if self.on_device:
                 torch.cuda.current_stream(self.images.device).synchronize()
@@ -183,8 +183,8 @@ class RingSlot:
 
 
 class ReceivedBatch:
-    """(In the training process.) A batch in a slot of a ring this process made; gives the slot back once its copy
-    is done (:meth:`release`, or when collected)."""
+    """(In the training process.) A batch in a slot of a ring this process made; gives the slot back once what
+    read it (:meth:`to`) is done (:meth:`release`, or when collected)."""
 
     def __init__(self, ring_id: str, slot: int, n: int):
         ring = _rings.get(ring_id)

@@ -199,6 +199,9 @@ def check_decode(cfg: Any, img_size: Any) -> None:
     if cfg.get("batch_ring", "host") not in ("gpu", "host"):
         raise ValueError(f"data.batch_ring={cfg.batch_ring!r}: the decoding workers' batches wait for training in the "
                          "GPU's memory (gpu) or in page-locked host memory (host); use one of those")
+    if cfg.get("batch_ring", "host") == "gpu" and decode_mode(cfg) != "gpu":
+        raise ValueError("data.batch_ring=gpu keeps the batches of workers that decode on the GPU in its memory: it "
+                         "needs data.decode=gpu (or drop data.batch_ring)")
     if augment_mode(cfg) == "gpu":
         from .gpu_augment import eval_spec, train_spec
         train_spec(cfg, img_size)
@@ -570,6 +573,9 @@ def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, batch_size: in
             on_gpu = device.type == "cuda" and cfg.get("batch_ring", "host") == "gpu"
             ring = BatchRing(slots, batch_size, transform_shape(encoded.device_transform),
                              settings.get("multiprocessing_context"), device if on_gpu else None)
+            if on_gpu:
+                log.info("data.batch_ring=gpu: the loader's ring of %d batches takes %.0f MiB of GPU memory", slots,
+                         (ring.images.nbytes + ring.targets.nbytes) / 2**20)
         # the ring is on the GPU or pinned, and nothing else in a batch is worth a pinning thread; decoded in this
         # process, the batches are on the device already
         settings["pin_memory"] = False

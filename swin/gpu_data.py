@@ -406,10 +406,10 @@ class DeviceCollate:
     """The ``collate_fn`` of data.decode=gpu loaders: a batch of :class:`EncodedImageFolder` samples decoded on
     ``device`` and transformed there (``transform``: swin.gpu_augment's TrainTransform or EvalTransform), as
     ``(uint8 images, targets, dropped files, paths decoded on the CPU)``; swin.data.DeviceLoader normalises and
-    counts them. In a worker process the images come back in host memory shared with the training process: in a
-    slot of ``ring`` (swin.batch_ring, images and targets; the batch's first element is then its RingSlot, the
-    second None), else in a new shared tensor per batch; in the training process itself (num_workers=0) they stay
-    on the device.
+    counts them. In a worker process the images go to the training process in a slot of ``ring`` (swin.batch_ring,
+    in shared host or GPU memory: images and targets; the batch's first element is then its RingSlot, the second
+    None), else in a new shared host tensor per batch; in the training process itself (num_workers=0) they stay on
+    the device.
 
     Random choices come from a generator seeded by ``seed`` and the batch's sample indices, which the sampler
     draws per epoch (and rank): the same batch gets the same augmentation after a resume mid-epoch."""

@@ -514,12 +514,12 @@ def test_bench_augment_kernels_sweeps_and_restores_the_launch_geometry(monkeypat
     assert (bench.cr.GPU_BLOCK, bench.cr.GPU_WARPS, bench.ra.APPLY_BLOCK, bench.ra.APPLY_WARPS) == shipped
 
 
-
+@pytest.mark.slow
 def test_train_replay_puts_noise_and_labels_in_the_ring_without_decoding(tmp_path, monkeypatch):
     """scripts/train_replay.py: its collate never decodes (the decoder would raise) and leaves the worker's fixed
     noise batch and the files' own labels in a ring slot; the script runs train.py through it end to end (on the
-    CPU, with forked workers), and refuses a command without data.decode=gpu; profile_train_step.py --replay profiles
-    a run through it."""
+    CPU, with forked workers), and refuses a command without data.decode=gpu or without workers;
+    profile_train_step.py --replay profiles a run through it."""
     import io
     import pickle
 
@@ -563,6 +563,9 @@ def test_train_replay_puts_noise_and_labels_in_the_ring_without_decoding(tmp_pat
     r = subprocess.run([sys.executable, str(ROOT / "scripts/train_replay.py"), *args], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "give data.decode=gpu" in r.stderr
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/train_replay.py"), "data.decode=gpu", *args,
+                        "data.num_workers=0"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "needs data.num_workers > 0" in r.stderr  # no workers: nothing to replay
     # profile_train_step.py --replay: the same replaying loader, profiled (8 batches of 2 per epoch)
     out = tmp_path / "profile.json"
     args = [a.replace("train.batch_size=4", "train.batch_size=2").replace("/run", "/profiled") for a in args]

@@ -816,7 +816,7 @@ def test_gpu_decode_workers_get_an_indexed_device_and_spawn(monkeypatch, tmp_pat
     (tmp_path / "c0").mkdir()
     (tmp_path / "c0" / "a.JPEG").write_bytes(b"never read")
     ds = EncodedImageFolder(tmp_path, ga.TrainTransform(ga.TrainSpec((8, 8))), skip_corrupt=False)
-    cfg = {"num_workers": 4, "batch_ring": "host"}  # (the default, a ring in the GPU's memory: a GPU test below)
+    cfg = {"num_workers": 4, "batch_ring": "host"}  # (the default; a ring in the GPU's memory: a GPU test below)
     spawned = _worker_settings(cfg, torch.device("cuda", 0), ds, batch_size=16)
     assert spawned["multiprocessing_context"] == "spawn" and not spawned["pin_memory"]  # the ring is pinned
     ring = spawned["collate_fn"].ring
@@ -919,6 +919,8 @@ def test_decode_config_errors_name_the_value():
     assert "data.gpu_ycbcr=true" in msg and "data.decode=gpu" in msg and "\n" not in msg
     msg = error("data.decode=gpu", "data.batch_ring=pinned")
     assert "data.batch_ring='pinned'" in msg and "gpu" in msg and "host" in msg and "\n" not in msg
+    msg = error("data.batch_ring=gpu")
+    assert "data.batch_ring=gpu" in msg and "data.decode=gpu" in msg and "\n" not in msg
     msg = error("data.augment=tpu")
     assert "data.augment='tpu'" in msg and "cpu" in msg and "gpu" in msg and "\n" not in msg
     assert "data.augment=cpu with data.decode=gpu" in error("data.decode=gpu", "data.augment=cpu")
@@ -1116,8 +1118,8 @@ def _fingerprints(loader, busy: torch.Tensor | None = None) -> torch.Tensor:
 def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path, workers, thread, ring):
     """CUDA: batches decoded and augmented on the GPU by spawned workers (or by this process, or by a decoding thread
     fed by workers: data.gpu_decode_thread; or decoded on the CPU by workers and augmented on the GPU by a thread:
-    data.augment=gpu), the workers' batches left in a ring in the GPU's memory (data.batch_ring=gpu, the default) or
-    in pinned host memory, normalised (copied first from the host) on the loader's side stream one batch ahead,
+    data.augment=gpu), the workers' batches left in a ring in pinned host memory (data.batch_ring=host, the default)
+    or in the GPU's memory, normalised (copied first from the host) on the loader's side stream one batch ahead,
     consumed on the default stream while it is kept busy and frees every batch; with decoding workers, CUDA sync
     debug mode 'error' catches a host sync torch makes in this process (in-process decoding and the decoding thread
     wait for nvJPEG by design). The batches equal the CPU pipeline's on the same files
