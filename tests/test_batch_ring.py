@@ -217,6 +217,20 @@ def test_gpu_ring_slots_are_reused_only_after_their_copies(ring_device):
     assert len(got) == 120 and _free_slots(ring) == ring.slots
 
 
+def _behind_busy_work(read):
+    """read(), queued behind ~20 large matmuls on the current stream under CUDA sync debug mode 'error': what it
+    queues cannot have run when it returns, and a host sync in it fails."""
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            busy = busy @ busy / 64
+        return read()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_ring_copies_from_pinned_slots_without_syncing():
@@ -226,16 +240,8 @@ def test_gpu_ring_copies_from_pinned_slots_without_syncing():
     fresh = torch.randint(0, 256, (64, 3, 224, 224), dtype=torch.uint8)
     received = pickle.loads(pickle.dumps(ring.put(fresh, torch.arange(64))))
     ring.pin()  # before the work is queued: registering does not wait for it, and takes its own time
-    busy = torch.randn(4096, 4096, device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(20):  # queue work ahead of the copy: it cannot have run when `to` returns
-            busy = busy @ busy / 64
-        x, y = received.to(torch.device("cuda"))
-        assert not received.done()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    x, y = _behind_busy_work(lambda: received.to(torch.device("cuda")))
+    assert not received.done()  # the copy is queued behind the busy work
     assert ring.images.is_pinned()
     received.release()  # waits for the copy, then frees the slot
     assert received.done() and torch.equal(x.cpu(), fresh) and torch.equal(y.cpu(), torch.arange(64))
@@ -253,16 +259,8 @@ def test_gpu_ring_in_device_memory_is_read_in_place_without_syncing():
     labels = torch.randint(0, 1000, (64,))
     received = pickle.loads(pickle.dumps(ring.put(fresh, labels)))
     assert ring.on_device and not ring.images.is_pinned() and torch.equal(ring.images[0], fresh)
-    busy = torch.randn(4096, 4096, device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(20):  # queue work ahead of the reads: they cannot have run when `to` returns
-            busy = busy @ busy / 64
-        x, y = received.to(torch.device("cuda"), lambda t: t.float().div_(255))
-        assert not received.done()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    x, y = _behind_busy_work(lambda: received.to(torch.device("cuda"), lambda t: t.float().div_(255)))
+    assert not received.done()  # the reads are queued behind the busy work
     received.release()  # waits for the reads, then frees the slot
     assert received.done() and _free_slots(ring) == 1
     ring.images.zero_()
