@@ -517,9 +517,9 @@ def test_bench_augment_kernels_sweeps_and_restores_the_launch_geometry(monkeypat
 @pytest.mark.slow
 def test_train_replay_puts_noise_and_labels_in_the_ring_without_decoding(tmp_path, monkeypatch):
     """scripts/train_replay.py: its collate never decodes (the decoder would raise) and leaves the worker's fixed
-    noise batch and the files' own labels in a ring slot; the script runs train.py through it end to end (on the
-    CPU, with forked workers), and refuses a command without data.decode=gpu or without workers;
-    profile_train_step.py --replay profiles a run through it."""
+    noise batch and the files' own labels in a ring slot; it refuses a command without data.decode=gpu or without
+    workers; profile_train_step.py --replay runs train.py through it to the end (on the CPU, with forked workers)
+    and profiles its window."""
     import io
     import pickle
 
@@ -553,24 +553,21 @@ def test_train_replay_puts_noise_and_labels_in_the_ring_without_decoding(tmp_pat
             for k in range(8):
                 (tmp_path / "d" / split / f"c{c}" / f"{k}.JPEG").write_bytes(jpeg(100 * c + k))
     args = ["experiment=imagenet_swin_tiny", "model=swin_micro", f"data.root={tmp_path / 'd'}",
-            "data.num_workers=2", "train.batch_size=4", "train.epochs=1", "train.warmup_epochs=0",
+            "data.num_workers=2", "train.batch_size=2", "train.epochs=1", "train.warmup_epochs=0",
             "train.save_every_epochs=0", "train.save_every_steps=0", "logger.wandb.mode=disabled",
             "logger.progress=false", f"hydra.run.dir={tmp_path / 'run'}"]
-    stdout = run_script([str(ROOT / "scripts/train_replay.py"), "data.decode=gpu", *args], cwd=tmp_path, timeout=200)
-    assert "train_replay: 2 loader workers put noise batches in the ring" in stdout
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert positive(summary["images_per_sec"]) and summary["epochs"] == 1 and summary["cpu_decoded_images"] == 0
     r = subprocess.run([sys.executable, str(ROOT / "scripts/train_replay.py"), *args], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "give data.decode=gpu" in r.stderr
     r = subprocess.run([sys.executable, str(ROOT / "scripts/train_replay.py"), "data.decode=gpu", *args,
                         "data.num_workers=0"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "needs data.num_workers > 0" in r.stderr  # no workers: nothing to replay
-    # profile_train_step.py --replay: the same replaying loader, profiled (8 batches of 2 per epoch)
+    # a run through it (as profile_train_step.py --replay makes one, profiled: 8 batches of 2 per epoch)
     out = tmp_path / "profile.json"
-    args = [a.replace("train.batch_size=4", "train.batch_size=2").replace("/run", "/profiled") for a in args]
     stdout = run_script([str(ROOT / "scripts/profile_train_step.py"), "--replay", "--start", "3", "--stop", "6",
                          "--json", str(out), "--", "data.decode=gpu", *args], cwd=tmp_path, timeout=200)
     assert "train_replay: 2 loader workers put noise batches in the ring" in stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert positive(summary["images_per_sec"]) and summary["epochs"] == 1 and summary["cpu_decoded_images"] == 0
     result = json.loads(out.read_text())
     assert result["steps"] == 3 and 0 <= result["dataloader_next_ms"] <= result["data_wait_ms"] < result["wall_ms"]
