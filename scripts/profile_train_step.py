@@ -136,8 +136,8 @@ def main() -> None:
     parser.add_argument("--stop", type=int, default=240, help="the window ends when this batch is fetched (keep it "
                         "inside one epoch: its end's evaluation and checkpoint would count)")
     parser.add_argument("--json", help="write the window's numbers and top kernels here")
-    parser.add_argument("--replay", action="store_true", help="data.decode=gpu's workers read files but do no GPU "
-                        "work (scripts/train_replay.py): the training process's own side of each batch")
+    parser.add_argument("--replay", action="store_true", help="data.decode=gpu's workers read files but neither "
+                        "decode nor augment (scripts/train_replay.py): the training process's own side of each batch")
     parser.add_argument("overrides", nargs="*", help="train.py's Hydra overrides (after --)")
     args = parser.parse_args()
     if not 1 < args.start < args.stop:

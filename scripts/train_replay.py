@@ -4,9 +4,9 @@ Each worker still reads its batch's files and collates them, then puts one fixed
 worker, in host memory) with the batch's real labels into the loader's ring (swin.batch_ring) instead of decoding
 and augmenting on the GPU (with data.batch_ring=gpu that is a copy to the GPU, their only GPU work). Everything in
 the training process runs as in data.decode=gpu: the DataLoader, the ring, the side stream's copy (host ring),
-normalisation and erasing. Against train.py on synthetic data (no
-loader) this prices the training process's own side of each batch; scripts/bench_worker_cost.py prices the
-workers' GPU work beside synthetic data. The loss it reports is meaningless (noise images).
+normalisation and erasing. Against train.py on synthetic data (no loader) this prices the training process's own
+side of each batch; scripts/bench_worker_cost.py prices the workers' GPU work beside synthetic data. The loss it
+reports is meaningless (noise images).
 
     python scripts/train_replay.py experiment=imagenet_swin_tiny data.root=/data data.decode=gpu data.num_workers=8 ...
 """

@@ -196,10 +196,11 @@ def check_decode(cfg: Any, img_size: Any) -> None:
     if cfg.get("gpu_ycbcr", False) and decode_mode(cfg) != "gpu":
         raise ValueError("data.gpu_ycbcr=true decodes JPEG files to their YCbCr planes on the GPU's JPEG engines: it "
                          "needs data.decode=gpu (or drop data.gpu_ycbcr)")
-    if cfg.get("batch_ring", "host") not in ("gpu", "host"):
-        raise ValueError(f"data.batch_ring={cfg.batch_ring!r}: the decoding workers' batches wait for training in the "
-                         "GPU's memory (gpu) or in page-locked host memory (host); use one of those")
-    if cfg.get("batch_ring", "host") == "gpu" and decode_mode(cfg) != "gpu":
+    ring = cfg.get("batch_ring", "host")
+    if ring not in ("gpu", "host"):
+        raise ValueError(f"data.batch_ring={ring!r}: the decoding workers' batches wait for training in the GPU's "
+                         "memory (gpu) or in page-locked host memory (host); use one of those")
+    if ring == "gpu" and decode_mode(cfg) != "gpu":
         raise ValueError("data.batch_ring=gpu keeps the batches of workers that decode on the GPU in its memory: it "
                          "needs data.decode=gpu (or drop data.batch_ring)")
     if augment_mode(cfg) == "gpu":
@@ -402,8 +403,8 @@ class DeviceLoader:
     Batches must be consumed on the stream that is current when the iterator is advanced.
     Batches of GPU-decoding workers (swin.gpu_data.DeviceCollate) come in slots of a ring of buffers in pinned host
     memory or the GPU's memory (swin.batch_ring: copied from there, or normalised in place; the slot given back once
-    that is done) and also
-    name the files nvJPEG could not decode: counted in ``cpu_decoded`` (the first few kept in ``cpu_decoded_files``).
+    that is done) and also name the files nvJPEG could not decode: counted in ``cpu_decoded`` (the first few kept
+    in ``cpu_decoded_files``).
     """
 
     max_files = 20

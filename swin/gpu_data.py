@@ -112,14 +112,10 @@ def _header(data: bytes | memoryview) -> tuple[int | None, int | None]:
     return None, adobe
 
 
-def _frame_start(data: bytes | memoryview) -> int | None:
-    return _header(data)[0]
-
-
 def jpeg_frame(data: bytes | memoryview) -> tuple[int, int, int, int, int] | None:
     """(SOF marker, sample precision, height, width, components) from a JPEG header, or None when ``data`` does
     not start like a JPEG file or no frame header comes before the scan."""
-    i = _frame_start(data)
+    i = _header(data)[0]
     if i is None:
         return None
     return (data[i + 1], data[i + 4], (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8],
