@@ -18,12 +18,16 @@
 #                                         # eval.py top-1 with each decode path; table in $OUT/data/bench_data.md
 #                                         # (DATA_ARGS: more overrides, e.g. "loader.cpu_workers=[16] loader.gpu_workers=[8]")
 #   MPS=1 bash scripts/gpu_session.sh profile  # train.py's own GPU work and data wait per step over batches 200-239
-#                                         # (scripts/profile_train_step.py): the ImageNet recipe with data.decode=gpu,
+#                                         # (scripts/profile_train_step.py), and its host time per part of the step
+#                                         # over updates 330-469 (--host): the ImageNet recipe with data.decode=gpu,
 #                                         # then the same recipe on synthetic data (PROFILE_ROWS="replay synthetic":
-#                                         # the decoding run's workers doing no GPU work, scripts/train_replay.py);
+#                                         # the decoding run's workers doing no GPU work, scripts/train_replay.py;
+#                                         # gpu_check160, synthetic_check160: check points every 160 updates, i.e.
+#                                         # one device sync per epoch instead of every 10 updates);
 #                                         # PROFILE_ARGS: more overrides of the decode=gpu run (e.g. data.reprob=0);
-#                                         # ~6 min; JSON in $OUT/profile_*.json;
-#                                         # with py-spy's wheel in .whl, which thread holds the GIL after the window
+#                                         # ~3 min a row; JSON in $OUT/profile_*.json; PROFILE_SPY=1 (py-spy's
+#                                         # wheel in .whl): which thread holds the GIL after the window (4 s from
+#                                         # batch 240 on: it slows the host window's updates)
 #   bash scripts/gpu_session.sh contention  # GPU decoding in worker processes vs threads beside a CUDA-graph step
 #                                         # waited for by device sync, event sync or event polling (--waits), with
 #                                         # the CUDA API calls of a decoding thread; CONTENTION_ARGS="--processes":
@@ -138,7 +142,7 @@ case "${1:-}" in
     python scripts/loop_report.py "$OUT" | tee "$OUT/loop.md" ;;
   profile)
     # 64 classes x 320 files: 160 steps per epoch, so batches 200-239 lie inside epoch 2 (past compilation)
-    R=/tmp/profile; rm -rf "$R/gpu" "$R/replay" "$R/synthetic"; mkdir -p "$R"
+    R=/tmp/profile; rm -rf "$R"/{gpu,gpu_check160,replay,synthetic,synthetic_check160}; mkdir -p "$R"
     python scripts/make_imagefolder.py "$R/fakenet" --classes 64 --train-per-class 320 --val-per-class 2 --seed 0 | tail -1
     Q="experiment=imagenet_swin_tiny train.batch_size=128 train.epochs=3 train.warmup_epochs=1 train.compile=true
        train.compile_mode=reduce-overhead train.save_every_epochs=0 train.save_every_steps=0 train.eval_every=1000
@@ -146,10 +150,10 @@ case "${1:-}" in
     profile_run() {  # NAME TIMEOUT "FLAGS" OVERRIDES...: the profiled window, then (py-spy carried in .whl) 4 s of
       # which thread holds the GIL (py-spy --gil: only GIL holders are sampled), per thread, in epoch 3
       local name=$1 limit=$2 flags=$3; shift 3
-      timeout "$limit" python scripts/profile_train_step.py $flags --json "$OUT/profile_$name.json" -- "$@" \
+      timeout "$limit" python scripts/profile_train_step.py $flags --host 330 470 --json "$OUT/profile_$name.json" -- "$@" \
         > "$R/$name.out" 2>&1 &
       local job=$!
-      if command -v py-spy >/dev/null; then
+      if [ "${PROFILE_SPY:-0}" = 1 ] && command -v py-spy >/dev/null; then
         until [ -f "$OUT/profile_$name.json" ] || ! kill -0 $job 2>/dev/null; do sleep 1; done
         local pid; pid=$(pgrep -P $job -f profile_train_step | head -1)
         [ -n "$pid" ] && py-spy record --gil --threads --nonblocking --format raw -r 200 -d 4 -p "$pid" \
@@ -176,13 +180,16 @@ print(f'GIL held {total / 800:.0%} of the 4 s ({total} of 800 samples; fewer if 
     S=$(python -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from bench_data import \
 synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthetic'))))" $Q hydra.run.dir="$R/synthetic")
     G="$Q data.root=$R/fakenet data.decode=gpu data.num_workers=8"
+    SYN="$S data=synthetic data.train_samples=20480 data.val_samples=128 data.num_classes=64"
+    SPARSE="train.max_nonfinite=160 logger.log_every_steps=160"  # check points (device syncs): one per epoch
     for row in ${PROFILE_ROWS:-gpu synthetic}; do  # replay: the workers do no GPU work (scripts/train_replay.py)
       case $row in
         gpu) profile_run gpu 360 "" $G hydra.run.dir="$R/gpu" ${PROFILE_ARGS:-} ;;
+        gpu_check160) profile_run gpu_check160 360 "" $G $SPARSE hydra.run.dir="$R/gpu_check160" ${PROFILE_ARGS:-} ;;
         replay) profile_run replay 300 --replay $G hydra.run.dir="$R/replay" ${PROFILE_ARGS:-} ;;
-        synthetic) profile_run synthetic 200 "" $S data=synthetic data.train_samples=20480 data.val_samples=128 \
-          data.num_classes=64 ;;
-        *) echo "unknown profile row $row (gpu, replay, synthetic)" ;;
+        synthetic) profile_run synthetic 200 "" $SYN ;;
+        synthetic_check160) profile_run synthetic_check160 200 "" $SYN $SPARSE hydra.run.dir="$R/synthetic_check160" ;;
+        *) echo "unknown profile row $row (gpu, gpu_check160, replay, synthetic, synthetic_check160)" ;;
       esac
     done ;;
   contention)

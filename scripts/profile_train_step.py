@@ -11,6 +11,13 @@ the first kernel to the last; with ``--json PATH``, also a table of the kernels 
 (scripts/benchmark.py's). Busy below span means the GPU ran none of this process's work in between: it waited for
 the host, or other processes' kernels held it (those, e.g. loader workers decoding on the GPU, are not seen).
 
+``--host START STOP`` also times the training thread's host work over updates START..STOP-1 (a window of its own,
+without the profiler, whose CUPTI callbacks slow every launch): per update, the host ms of each part of the step
+(next batch, mixup, the model call, the loss, backward and the rest of ``train_step``, ``apply_update``, the
+scheduler and the loop) and of the check points, whose device sync is split out. Where the host's busy time is
+close to the wall time the loop is host-bound (the GPU idles whenever the host falls behind); where the syncs take
+the difference, the host runs ahead of the GPU and waits for it there.
+
     python scripts/profile_train_step.py --start 200 --stop 240 -- experiment=imagenet_swin_tiny data.root=... \
         data.decode=gpu train.compile=true train.compile_mode=reduce-overhead
 """
@@ -130,6 +137,109 @@ def install_hooks(start: int, stop: int, json_path: str | None) -> dict[str, Any
     return state
 
 
+class _Timed:
+    """A callable (the model, the loss, mixup) whose calls add their host time to a phase of HostPhases."""
+
+    def __init__(self, target: Any, phases: HostPhases, name: str):
+        self._target, self._phases, self._name = target, phases, name
+
+    def __call__(self, *args, **kwargs):
+        return self._phases.time(self._name, self._target, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # train(), no_sync() ... of the wrapped module
+        return getattr(self._target, name)
+
+
+class HostPhases:
+    """Host ms per update of each part of swin.engine's training step over updates start..stop-1 (see the module)."""
+
+    PARTS = ("next_batch", "mixup", "model", "loss", "apply_update")
+
+    def __init__(self, start: int, stop: int):
+        self.start, self.stop = start, stop
+        self.update = 0  # train_step calls so far
+        self.seconds: dict[str, float] = {}
+        self.syncs = 0
+        self.t0 = 0.0
+        self.step_end: float | None = None  # when the last train_step returned (None: none yet this epoch)
+        self.result: dict[str, Any] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.start <= self.update < self.stop
+
+    def time(self, name: str, fn: Any, *args, **kwargs) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if self.active:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def step_begins(self) -> None:
+        self.update += 1
+        if self.update in (self.start, self.stop):
+            _sync()  # the window's ends are device time
+            now = time.perf_counter()
+            if self.update == self.start:
+                self.t0 = now
+            else:
+                self.result = self.summary(now - self.t0)
+                print(json.dumps({"host": self.result}), flush=True)
+
+    def summary(self, wall: float) -> dict[str, Any]:
+        ms = {k: v * 1e3 / (self.stop - self.start) for k, v in self.seconds.items()}
+        parts = {k: ms.get(k, 0.0) for k in self.PARTS}
+        parts["backward_and_rest"] = ms.get("train_step", 0.0) - sum(parts.values())
+        parts["loop"] = ms.get("loop", 0.0) - ms.get("check_points", 0.0)  # scheduler, bookkeeping
+        parts["check_points_host"] = ms.get("check_points", 0.0) - ms.get("sync", 0.0)
+        busy = sum(parts.values())
+        out = {"updates": self.stop - self.start, "wall_ms": wall * 1e3 / (self.stop - self.start),
+               "host_busy_ms": busy, "sync_wait_ms": ms.get("sync", 0.0), "syncs": self.syncs,
+               **{f"{k}_ms": v for k, v in parts.items()}}
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+    def install(self) -> None:
+        """Wraps swin.engine's step functions, the run's model, loss and mixup, and its device reads."""
+        phases, setup, train_step = self, engine.setup, engine.train_step
+        apply_update, check_point, read = engine.apply_update, engine.check_point, engine.StepStats.read
+        train_one_epoch = engine.train_one_epoch
+        agreed = engine.PreemptionFlag.agreed
+
+        def timed_setup(*args, **kwargs):
+            run = setup(*args, **kwargs)
+            run.model, run.criterion = _Timed(run.model, phases, "model"), _Timed(run.criterion, phases, "loss")
+            if run.mixup is not None:
+                run.mixup = _Timed(run.mixup, phases, "mixup")
+            return run
+
+        def timed_train_step(*args, **kwargs):
+            if phases.step_end is not None and phases.active:  # the loop's time after the last update
+                phases.seconds["loop"] = phases.seconds.get("loop", 0.0) + time.perf_counter() - phases.step_end
+            phases.step_begins()
+            try:
+                return phases.time("train_step", train_step, *args, **kwargs)
+            finally:
+                phases.step_end = time.perf_counter()
+
+        def timed_sync(fn):
+            def wrapper(*args, **kwargs):
+                phases.syncs += phases.active
+                return phases.time("sync", fn, *args, **kwargs)
+            return wrapper
+
+        def timed_epoch(*args, **kwargs):  # an epoch's end (evaluation, checkpoint) is not loop time
+            phases.step_end = None
+            return train_one_epoch(*args, **kwargs)
+
+        engine.setup, engine.train_step, engine.train_one_epoch = timed_setup, timed_train_step, timed_epoch
+        engine.apply_update = lambda *a, **k: phases.time("apply_update", apply_update, *a, **k)
+        engine.check_point = lambda *a, **k: phases.time("check_points", check_point, *a, **k)
+        engine.StepStats.read, engine.PreemptionFlag.agreed = timed_sync(read), timed_sync(agreed)
+        next_batch = engine.EpochClock.next_batch
+        engine.EpochClock.next_batch = lambda clock, batches: phases.time("next_batch", next_batch, clock, batches)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--start", type=int, default=200, help="first profiled batch of the run (1-based)")
@@ -138,6 +248,9 @@ def main() -> None:
     parser.add_argument("--json", help="write the window's numbers and top kernels here")
     parser.add_argument("--replay", action="store_true", help="data.decode=gpu's workers read files but neither "
                         "decode nor augment (scripts/train_replay.py): the training process's own side of each batch")
+    parser.add_argument("--host", nargs=2, type=int, metavar=("START", "STOP"), help="time the training thread's "
+                        "host work per part of the step over updates START..STOP-1 (1-based; keep it inside one "
+                        "epoch and away from the profiled batches)")
     parser.add_argument("overrides", nargs="*", help="train.py's Hydra overrides (after --)")
     args = parser.parse_args()
     if not 1 < args.start < args.stop:
@@ -147,6 +260,11 @@ def main() -> None:
         from train_replay import replaying
         swin_data._worker_settings = replaying(swin_data._worker_settings)
     state = install_hooks(args.start, args.stop, args.json)
+    host = HostPhases(*args.host) if args.host else None
+    if host is not None:
+        if not 0 < host.start < host.stop:
+            parser.error("--host START STOP: 0 < START < STOP")
+        host.install()
     sys.argv = [str(ROOT / "train.py"), *args.overrides]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     if not state["done"]:
@@ -154,6 +272,12 @@ def main() -> None:
             state["prof"].__exit__(None, None, None)
         sys.exit(f"profile_train_step: the run fetched {state['batches']} training batches, fewer than --stop "
                  f"{args.stop}: nothing was profiled")
+    if host is not None:
+        if host.result is None:
+            sys.exit(f"profile_train_step: the run made {host.update} updates, fewer than --host's STOP {host.stop}")
+        if args.json:  # the profiled window's numbers, and the host window's beside them
+            result = json.loads(Path(args.json).read_text())
+            Path(args.json).write_text(json.dumps({**result, "host": host.result}, indent=1))
 
 
 if __name__ == "__main__":

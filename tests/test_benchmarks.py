@@ -447,16 +447,17 @@ def test_bench_data_cpu(tmp_path):
 def test_profile_train_step_cpu(tmp_path, data):
     """scripts/profile_train_step.py runs train.py unchanged and reports its profiled window: on the CPU, no kernels,
     but the step's wall time and the data wait, of which the DataLoader's own wait is a part (none with synthetic
-    data, which has no DataLoader)."""
+    data, which has no DataLoader); with --host, the host time of each part of the step over a window of its own."""
     out = tmp_path / "profile.json"
-    limits = ["data.train_limit=128", "data.val_limit=16"] if data == "digits" else \
-        ["data.train_samples=128", "data.val_samples=16", "data.num_classes=10"]
+    limits = ["data.train_limit=192", "data.val_limit=16"] if data == "digits" else \
+        ["data.train_samples=192", "data.val_samples=16", "data.num_classes=10"]
     stdout = run_script([str(ROOT / "scripts/profile_train_step.py"), "--start", "3", "--stop", "6", "--json", str(out),
-                         "--", "model=swin_micro", f"data={data}", "train.batch_size=16", "train.epochs=1",
+                         "--host", "7", "12", "--", "model=swin_micro", f"data={data}", "train.batch_size=16",
+                         "train.epochs=1", "logger.log_every_steps=2",
                          "train.warmup_epochs=0", *limits,
                          "logger.wandb.mode=disabled", "logger.progress=false", f"hydra.run.dir={tmp_path / 'run'}"],
                         cwd=tmp_path, timeout=200)
-    line = json.loads(next(s for s in stdout.splitlines() if s.startswith("{")))
+    line = json.loads(next(s for s in stdout.splitlines() if s.startswith("{") and not s.startswith('{"host"')))
     result = json.loads(out.read_text())
     assert line["steps"] == result["steps"] == 3 and positive(result["wall_ms"])
     if data == "digits":
@@ -466,6 +467,15 @@ def test_profile_train_step_cpu(tmp_path, data):
     assert result["kernel_ms"] == result["busy_ms"] == result["span_ms"] == 0.0
     assert result["top_kernels"].startswith("| kernel |") and result["crosses_epoch_end"] is False
     assert (tmp_path / "run" / "summary.json").is_file()  # the run went on to its end
+    # --host: on the CPU every op runs as it is called, so the parts of the step and the loop add up to the wall
+    # time of updates 7..11 (check points every 2 updates: after 8 and 10, each a counter read and a preemption
+    # vote)
+    host = json.loads(next(s for s in stdout.splitlines() if s.startswith('{"host"')))["host"]
+    assert host == result["host"] and host["updates"] == 5 and host["syncs"] == 4, host
+    parts = [host[k] for k in host if k.endswith("_ms") and k not in ("wall_ms", "host_busy_ms", "sync_wait_ms")]
+    assert all(v >= 0 for v in parts) and host["model_ms"] > 0 and host["apply_update_ms"] > 0, host
+    assert host["host_busy_ms"] == pytest.approx(sum(parts), abs=0.01), host
+    assert 0.9 * host["wall_ms"] < host["host_busy_ms"] + host["sync_wait_ms"] <= 1.01 * host["wall_ms"], host
 
 
 @pytest.mark.slow
