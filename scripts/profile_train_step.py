@@ -62,10 +62,28 @@ class TimedLoader:
             yield batch
 
 
+# CUDA runtime / driver calls that put work on a stream (CUPTI records them beside the kernels, on every thread)
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+def launch_calls(events: Any, steps: int) -> dict[str, float]:
+    """Per step: how many of each LAUNCH_CALLS call (cudaLaunchKernelExC counts as cudaLaunchKernel...) the host
+    made, and their host ms in all ("host_ms"): eager work the host launches one kernel at a time."""
+    counts, host_us = dict.fromkeys(LAUNCH_CALLS, 0), 0.0
+    for e in events:
+        call = next((c for c in LAUNCH_CALLS if e.name.startswith(c)), None)
+        if call is not None and e.device_type == torch.autograd.DeviceType.CPU:
+            counts[call] += 1
+            host_us += e.time_range.end - e.time_range.start
+    return {**{k: v / steps for k, v in counts.items()}, "host_ms": host_us / 1e3 / steps}
+
+
 def summary(prof: torch.profiler.profile, steps: int, wall: float, wait: float, loader_wait: float | None) -> dict:
     """Per step (ms): the window's wall time, data wait, DataLoader wait, and this process's GPU work: summed
-    kernel time, busy time (union of the kernel intervals) and the span from the first kernel to the last."""
-    kernels = device_kernels(prof.events())
+    kernel time, busy time (union of the kernel intervals) and the span from the first kernel to the last; the
+    host's launch calls (launch_calls)."""
+    events = prof.events()
+    kernels = device_kernels(events)
     intervals = [(k.time_range.start, k.time_range.end) for k in kernels]
     span = max(e for _, e in intervals) - min(s for s, _ in intervals) if intervals else 0.0
     ms = 1e3 / steps
@@ -73,7 +91,7 @@ def summary(prof: torch.profiler.profile, steps: int, wall: float, wait: float, 
             "dataloader_next_ms": None if loader_wait is None else loader_wait * ms,
             "kernel_ms": sum(e - s for s, e in intervals) / 1e3 / steps,
             "busy_ms": busy_union_us(intervals) / 1e3 / steps, "span_ms": span / 1e3 / steps,
-            "top_kernels": top_kernels_table(kernels, steps, 30)}
+            "launches": launch_calls(events, steps), "top_kernels": top_kernels_table(kernels, steps, 30)}
 
 
 def _sync() -> None:
@@ -115,7 +133,8 @@ def install_hooks(start: int, stop: int, json_path: str | None) -> dict[str, Any
         # swin.engine makes a new EpochClock per epoch: a window across an epoch's end also times its evaluation
         result["crosses_epoch_end"] = clock is not state["clock"]
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
-                          if k != "top_kernels"}), flush=True)
+                          if k not in ("top_kernels", "launches")}), flush=True)
+        print(json.dumps({"launches": {k: round(v, 3) for k, v in result["launches"].items()}}), flush=True)
         if json_path:
             Path(json_path).write_text(json.dumps(result, indent=1))
         state["done"] = True

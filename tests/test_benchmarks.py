@@ -457,7 +457,7 @@ def test_profile_train_step_cpu(tmp_path, data):
                          "train.warmup_epochs=0", *limits,
                          "logger.wandb.mode=disabled", "logger.progress=false", f"hydra.run.dir={tmp_path / 'run'}"],
                         cwd=tmp_path, timeout=200)
-    line = json.loads(next(s for s in stdout.splitlines() if s.startswith("{") and not s.startswith('{"host"')))
+    line = json.loads(next(s for s in stdout.splitlines() if s.startswith('{"steps"')))
     result = json.loads(out.read_text())
     assert line["steps"] == result["steps"] == 3 and positive(result["wall_ms"])
     if data == "digits":
@@ -465,6 +465,7 @@ def test_profile_train_step_cpu(tmp_path, data):
     else:
         assert result["dataloader_next_ms"] is None and 0 < result["data_wait_ms"] < result["wall_ms"]
     assert result["kernel_ms"] == result["busy_ms"] == result["span_ms"] == 0.0
+    assert set(result["launches"].values()) == {0.0} and "cudaGraphLaunch" in result["launches"]  # no CUDA here
     assert result["top_kernels"].startswith("| kernel |") and result["crosses_epoch_end"] is False
     assert (tmp_path / "run" / "summary.json").is_file()  # the run went on to its end
     # --host: on the CPU every op runs as it is called, so the parts of the step and the loop add up to the wall
