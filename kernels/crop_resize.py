@@ -46,6 +46,10 @@ META = tl.constexpr(16)
 # are bound by instruction issue and gather latency, not bandwidth, and 4 x 4 was the fastest of 4-32 rows x 2-8
 # warps on the H100 (0.35 ms against 0.52 ms at 16 rows for 128 images to 224 x 224, docs/benchmarks.md)
 GPU_BLOCK, GPU_WARPS = 4, 4
+# whether the row pass's programs take a group of planes that share a crop window (an RGB image's three) instead of
+# one plane: the taps' weights, about half of a program's instructions per tap, are then computed once for the group.
+# Off until timed on a GPU (scripts/bench_augment_kernels.py compares the two; the outputs are identical)
+GROUP_PLANES = False
 
 
 @dataclass(frozen=True, eq=False)  # (tensors do not compare as one bool)
@@ -132,30 +136,52 @@ def _field(meta, k):
 
 # Triton turns an int argument equal to 1 into a compile-time constant, a Python int without `.to` in _taps
 @triton.jit(do_not_specialize=["OUT_W"])
-def crop_resize_rows_kernel(src_ptr, meta_ptr, rows_ptr, OUT_W, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
-                            CHANNELS_LAST: tl.constexpr):
+def crop_resize_rows_kernel(src_ptr, meta_ptr, groups_ptr, rows_ptr, OUT_W, BLOCK_R: tl.constexpr,
+                            BLOCK_W: tl.constexpr, CHANNELS_LAST: tl.constexpr, GROUPED: tl.constexpr):
     """rows[plane, window row, j]: each plane's crop window rows resized to OUT_W columns (fp32, not rounded).
-    Planes are rows of pixels at their pitch, pixels next to each other or, CHANNELS_LAST, every third byte."""
-    meta = meta_ptr + tl.program_id(0) * META
+    Planes are rows of pixels at their pitch, pixels next to each other or, CHANNELS_LAST, every third byte.
+    One plane per program, or GROUPED a group of 1 to 3 planes with one window (``groups_ptr``: first plane,
+    count; an RGB image's three, a YCbCr image's luma, its two chroma planes) whose taps and weights, most of the
+    instructions, are computed once for them all."""
+    if GROUPED:
+        group = groups_ptr + tl.program_id(0) * 2
+        first_plane, count = tl.load(group), tl.load(group + 1)
+    else:
+        first_plane, count = tl.program_id(0), 1
+    meta = meta_ptr + first_plane * META
     top, left, rows, cols = _field(meta, TOP), _field(meta, LEFT), _field(meta, ROWS), _field(meta, COLS)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     if tl.program_id(1) * BLOCK_R < rows:
-        mode, pitch = _field(meta, MODE), _field(meta, PITCH)
+        mode = _field(meta, MODE)
         j = tl.arange(0, BLOCK_W)
         live = (r < rows)[:, None] & (j < OUT_W)[None, :]
         first, end, centre, inv = _taps(j, _field(meta, CROP_W), OUT_W, _field(meta, SHIFT_H),
                                         _field(meta, REM_LEFT), cols, mode)
         step: tl.constexpr = 3 if CHANNELS_LAST else 1
-        src = src_ptr + tl.load(meta + OFFSET) + (top + r)[:, None] * pitch + left * step
-        acc = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
+        src0 = src_ptr + tl.load(meta + OFFSET) + (top + r)[:, None] * _field(meta, PITCH) + left * step
+        acc0 = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
+        if GROUPED:  # planes past the group's count read and write nothing (the group's last plane stands in)
+            meta1, meta2 = meta + tl.minimum(count - 1, 1) * META, meta + tl.minimum(count - 1, 2) * META
+            live1, live2 = live & (count > 1), live & (count > 2)
+            src1 = src_ptr + tl.load(meta1 + OFFSET) + (top + r)[:, None] * _field(meta1, PITCH) + left * step
+            src2 = src_ptr + tl.load(meta2 + OFFSET) + (top + r)[:, None] * _field(meta2, PITCH) + left * step
+            acc1 = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
+            acc2 = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
         total = tl.zeros((BLOCK_W,), dtype=tl.float32)
         for t in range(0, tl.max(tl.where(j < OUT_W, end - first, 0), 0)):
             x, inside, w = _tap(t, first, end, centre, inv, mode)
-            pixels = tl.load(src + x[None, :] * step, mask=live & inside[None, :], other=0)
-            acc += w[None, :] * pixels.to(tl.float32)
+            column = x[None, :] * step
+            acc0 += w[None, :] * tl.load(src0 + column, mask=live & inside[None, :], other=0).to(tl.float32)
+            if GROUPED:
+                acc1 += w[None, :] * tl.load(src1 + column, mask=live1 & inside[None, :], other=0).to(tl.float32)
+                acc2 += w[None, :] * tl.load(src2 + column, mask=live2 & inside[None, :], other=0).to(tl.float32)
             total += w
-        out = rows_ptr + tl.load(meta + ROWS_AT) + r[:, None] * OUT_W + j[None, :]
-        tl.store(out, acc / tl.where(total > 0, total, 1.0)[None, :], mask=live)
+        norm = tl.where(total > 0, total, 1.0)[None, :]
+        out = r[:, None] * OUT_W + j[None, :]
+        tl.store(rows_ptr + tl.load(meta + ROWS_AT) + out, acc0 / norm, mask=live)
+        if GROUPED:
+            tl.store(rows_ptr + tl.load(meta1 + ROWS_AT) + out, acc1 / norm, mask=live1)
+            tl.store(rows_ptr + tl.load(meta2 + ROWS_AT) + out, acc2 / norm, mask=live2)
 
 
 @triton.jit
@@ -291,6 +317,19 @@ def _windows(start: np.ndarray, length: np.ndarray, shift: np.ndarray, limit: np
     return first, end - first, start - (first << shift)
 
 
+def _plane_groups(ycbcr: np.ndarray) -> np.ndarray:
+    """(first plane, planes) of the row pass's programs (crop_resize_rows_kernel): with GROUP_PLANES, the groups of
+    planes that share a crop window (an RGB image's three planes, a YCbCr image's luma and its two chroma planes),
+    else each plane alone. ycbcr: per plane (3 per image), whether its image is YCbCr."""
+    planes = len(ycbcr)
+    if not GROUP_PLANES:
+        return np.stack([np.arange(planes), np.ones(planes, dtype=np.int64)], axis=1)
+    images = np.asarray(ycbcr[0::3], dtype=bool)
+    firsts = [[3 * k, 3 * k + 1] if is_ycbcr else [3 * k] for k, is_ycbcr in enumerate(images)]
+    counts = [[1, 2] if is_ycbcr else [3] for is_ycbcr in images]
+    return np.stack([np.concatenate(firsts), np.concatenate(counts)], axis=1).astype(np.int64)
+
+
 def _launch(src: torch.Tensor, planes: np.ndarray, boxes: np.ndarray, modes: np.ndarray, size: tuple[int, int],
             channels_last: bool, flips: np.ndarray | None) -> torch.Tensor:
     """The two kernels over ``planes`` (3 per image: offset from ``src``'s first element, pitch, height, width,
@@ -312,16 +351,19 @@ def _launch(src: torch.Tensor, planes: np.ndarray, boxes: np.ndarray, modes: np.
                      np.cumsum(row_sizes) - row_sizes, np.repeat(mirrored, 3), h, w, shift_v, shift_h, rem_top,
                      rem_left, ycbcr], axis=1)
     assert meta.shape[1] == META
-    meta_t = torch.from_numpy(meta)
+    groups = _plane_groups(ycbcr)
+    tables = torch.from_numpy(np.concatenate([meta.reshape(-1), groups.reshape(-1)]))
     # pinned and asynchronous: a copy from pageable memory would make the caller's thread wait for its stream
-    meta_t = meta_t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta_t
+    tables = tables.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tables
+    meta_t, groups_t = tables[:meta.size], tables[meta.size:]
     rows_buffer = torch.empty(int(row_sizes.sum()), dtype=torch.float32, device=device)
     out = torch.empty((n, 3, out_h, out_w), dtype=torch.uint8, device=device)
     block_w = triton.next_power_of_2(out_w)
     # the interpreter runs each program's block as one numpy operation: fewer, larger ones
     block, warps = (max(1, 4096 // block_w), 4) if interpreting() else (GPU_BLOCK, GPU_WARPS)
-    launch_direct(crop_resize_rows_kernel, (n * 3, triton.cdiv(int(rows.max()), block)), src, meta_t, rows_buffer,
-                  out_w, BLOCK_R=block, BLOCK_W=block_w, CHANNELS_LAST=channels_last, num_warps=warps)
+    launch_direct(crop_resize_rows_kernel, (len(groups), triton.cdiv(int(rows.max()), block)), src, meta_t, groups_t,
+                  rows_buffer, out_w, BLOCK_R=block, BLOCK_W=block_w, CHANNELS_LAST=channels_last,
+                  GROUPED=GROUP_PLANES, num_warps=warps)
     convert = bool(ycbcr.any())
     launch_direct(crop_resize_cols_kernel, (n if convert else n * 3, triton.cdiv(out_h, block)), rows_buffer, meta_t,
                   out, out_h, out_w, BLOCK_I=block, BLOCK_W=block_w, CONVERT=convert, num_warps=warps)

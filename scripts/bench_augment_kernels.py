@@ -5,7 +5,8 @@ statistics, a lookup-table and an apply kernel (kernels.rand_augment). Under MPS
 training step, so its GPU time is what matters. This times, for a recipe batch (RandomResizedCrop boxes, random
 bilinear / bicubic, flips, rand-m9-mstd0.5-inc1) of random images of ImageNet-like sizes:
 - the crops as shipped (each image read where it lies), and the torch.cat that packing the images would cost;
-- the crop kernels at each rows-per-program x warps (kernels.crop_resize.GPU_BLOCK / GPU_WARPS);
+- the crop kernels at each rows-per-program x warps (kernels.crop_resize.GPU_BLOCK / GPU_WARPS), and with the row
+  pass's other grouping of planes (kernels.crop_resize.GROUP_PLANES: an image's planes per program, or one);
 - a RandAugment layer (its three kernels) at each pixels-per-program x warps of its apply kernel
   (kernels.rand_augment.APPLY_BLOCK / APPLY_WARPS).
 GPU time per call is the kernels' own time under torch.profiler (copies excluded), the mean of --calls calls
@@ -74,11 +75,21 @@ def sweep(module: Any, settings: tuple[str, str], blocks: tuple[int, ...], unit:
 def crop_rows(images: list[torch.Tensor], plan: ga.BatchPlan, size: int, calls: int) -> list[str]:
     def crops() -> torch.Tensor:
         return cr.crop_resize(images, plan.boxes, plan.modes, (size, size), flips=plan.flips)
-    return [f"| crops as shipped ({cr.GPU_BLOCK} rows, {cr.GPU_WARPS} warps), images read in place | "
-            f"{kernel_us(crops, calls):.1f} | 0 |",
+    grouping = "an image's planes" if cr.GROUP_PLANES else "one plane"
+    rows = [f"| crops as shipped ({cr.GPU_BLOCK} rows of {grouping} per program, {cr.GPU_WARPS} warps), images read "
+            f"in place | {kernel_us(crops, calls):.1f} | 0 |",
             f"| torch.cat of the decoded images (packing them first) | "
-            f"{kernel_us(lambda: torch.cat([i.reshape(-1) for i in images]), calls):.1f} | |",
-            *sweep(cr, ("GPU_BLOCK", "GPU_WARPS"), (4, 8, 16, 32), "crop rows", crops, calls)]
+            f"{kernel_us(lambda: torch.cat([i.reshape(-1) for i in images]), calls):.1f} | |"]
+    shipped, shipped_grouping = crops(), cr.GROUP_PLANES
+    cr.GROUP_PLANES = not shipped_grouping  # the row pass's other grouping, at the shipped geometry
+    try:
+        other = "one plane" if shipped_grouping else "an image's planes"
+        diff = (crops().int() - shipped.int()).abs().max().item()
+        rows.append(f"| crops with rows of {other} per program (GROUP_PLANES={cr.GROUP_PLANES}) | "
+                    f"{kernel_us(crops, calls):.1f} | {diff} |")
+    finally:
+        cr.GROUP_PLANES = shipped_grouping
+    return rows + sweep(cr, ("GPU_BLOCK", "GPU_WARPS"), (2, 4, 8, 16, 32), "crop rows", crops, calls)
 
 
 def apply_rows(x: torch.Tensor, plan: ga.BatchPlan, calls: int) -> list[str]:

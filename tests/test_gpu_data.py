@@ -363,6 +363,40 @@ def test_batched_crop_resize_of_ycbcr_planes_matches_float64():
         crop_resize([YCbCrImage(images[0].y, images[0].cb[:-1], images[0].cr)], boxes[:1], modes[:1], size)
 
 
+def test_crop_resize_row_pass_grouping_changes_no_value(monkeypatch):
+    """The row pass with an image's planes per program (kernels.crop_resize.GROUP_PLANES: RGB images' three planes,
+    YCbCr images' luma and chroma pair) gives exactly what one plane per program gives (which the tests above hold to
+    their references): a mixed batch with flips, and RGB images packed channels-last."""
+    from kernels import crop_resize as cr
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rng = _rng()
+    images = []
+    for subsampling in [(1, 1), (0, 0), (0, 1), None, None, (1, 0), None]:  # None: RGB
+        h, w = (int(v) for v in rng.integers(12, 70, 2))
+        if subsampling is None:
+            images.append(torch.from_numpy(rng.integers(0, 256, (3, h, w), dtype=np.uint8)).to(device))
+            continue
+        chroma = (-(-h // 2**subsampling[0]), -(-w // 2**subsampling[1]))
+        images.append(cr.YCbCrImage(*(torch.from_numpy(rng.integers(0, 256, shape, dtype=np.uint8)).to(device)
+                                      for shape in ((h, w), chroma, chroma))))
+    boxes = []
+    for img in images:
+        height, width = img.shape[1:]
+        h, w = int(rng.integers(3, height + 1)), int(rng.integers(3, width + 1))
+        boxes.append([int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)), h, w])
+    boxes, modes, flips = np.array(boxes), rng.integers(0, 3, len(images)), rng.random(len(images)) < 0.5
+    rgb = [k for k, img in enumerate(images) if isinstance(img, torch.Tensor)]
+    packed = ga.PackedImages.pack([images[k].cpu() for k in rgb]).to(device)
+    results = {}
+    for grouped in (False, True):
+        monkeypatch.setattr(cr, "GROUP_PLANES", grouped)
+        results[grouped] = (cr.crop_resize(images, boxes, modes, (23, 17), flips=flips),
+                            cr.crop_resize_packed(packed.pixels, packed.shapes, boxes[rgb], modes[rgb], (23, 17),
+                                                  channels_last=True, flips=flips[rgb]))
+    assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+    assert torch.equal(results[True][1], results[True][0][rgb])  # and the packed images are those of the list
+
+
 def test_ycbcr_crop_resize_of_a_photo_is_its_rgb_crop():
     """The meaning of the YCbCr path: a photo's 4:4:4 planes (PIL's conversion) cropped and resized give the RGB
     photo's crop within 2 levels (the conversion is linear), and its 4:2:0 planes (chroma averaged over 2 x 2) within
