@@ -14,9 +14,9 @@ the host, or other processes' kernels held it (those, e.g. loader workers decodi
 ``--host START STOP`` also times the training thread's host work over updates START..STOP-1 (a window of its own,
 without the profiler, whose CUPTI callbacks slow every launch): per update, the host ms of each part of the step
 (next batch, mixup, the model call, the loss, backward and the rest of ``train_step``, ``apply_update``, the loop
-between updates: scheduler and bookkeeping) and of the check points, whose device syncs are split out. Where the host's busy time is
-close to the wall time the loop is host-bound (the GPU idles whenever the host falls behind); where the syncs take
-the difference, the host runs ahead of the GPU and waits for it there.
+between updates: scheduler and bookkeeping) and of the check points, whose device syncs are split out. Where the
+host's busy time is close to the wall time the loop is host-bound (the GPU idles whenever the host falls behind);
+where the syncs take the difference, the host runs ahead of the GPU and waits for it there.
 
     python scripts/profile_train_step.py --start 200 --stop 240 -- experiment=imagenet_swin_tiny data.root=... \
         data.decode=gpu train.compile=true train.compile_mode=reduce-overhead
