@@ -14,9 +14,12 @@ the host, or other processes' kernels held it (those, e.g. loader workers decodi
 ``--host START STOP`` also times the training thread's host work over updates START..STOP-1 (a window of its own,
 without the profiler, whose CUPTI callbacks slow every launch): per update, the host ms of each part of the step
 (next batch, mixup, the model call, the loss, backward and the rest of ``train_step``, ``apply_update``, the loop
-between updates: scheduler and bookkeeping) and of the check points, whose device syncs are split out. Where the
-host's busy time is close to the wall time the loop is host-bound (the GPU idles whenever the host falls behind);
-where the syncs take the difference, the host runs ahead of the GPU and waits for it there.
+between updates: scheduler and bookkeeping) and of the check points, whose device syncs (counter reads, preemption
+votes, and the drain at the window's end) are split out. Where the host's busy time is close to the wall time the
+loop is host-bound (the GPU idles whenever the host falls behind); where the syncs take the difference, the host runs
+ahead of the GPU and waits for it there. (A sync elsewhere stays in its part: an optimizer that cannot skip a step
+on the device reads the non-finite flag in ``apply_update`` every update.) ``crosses_epoch_end``: the window holds
+an epoch's end, whose evaluation and checkpoint count in the wall time only.
 
     python scripts/profile_train_step.py --start 200 --stop 240 -- experiment=imagenet_swin_tiny data.root=... \
         data.decode=gpu train.compile=true train.compile_mode=reduce-overhead
@@ -24,6 +27,7 @@ where the syncs take the difference, the host runs ahead of the GPU and waits fo
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import runpy
 import sys
@@ -66,16 +70,20 @@ class TimedLoader:
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 
 
-def launch_calls(events: Any, steps: int) -> dict[str, float]:
+def launch_calls(events: Any, steps: int) -> dict[str, Any]:
     """Per step: how many of each LAUNCH_CALLS call (cudaLaunchKernelExC counts as cudaLaunchKernel...) the host
-    made, and their host ms in all ("host_ms"): eager work the host launches one kernel at a time."""
-    counts, host_us = dict.fromkeys(LAUNCH_CALLS, 0), 0.0
+    made, their host ms in all ("host_ms"), and the calls per thread ("by_thread", the most first: the training
+    thread, the autograd engine's, a decoding or augmenting thread of this process): eager work the host launches one
+    kernel at a time."""
+    counts, host_us, threads = dict.fromkeys(LAUNCH_CALLS, 0), 0.0, collections.Counter()
     for e in events:
         call = next((c for c in LAUNCH_CALLS if e.name.startswith(c)), None)
         if call is not None and e.device_type == torch.autograd.DeviceType.CPU:
             counts[call] += 1
+            threads[str(e.thread)] += 1
             host_us += e.time_range.end - e.time_range.start
-    return {**{k: v / steps for k, v in counts.items()}, "host_ms": host_us / 1e3 / steps}
+    return {**{k: v / steps for k, v in counts.items()}, "host_ms": host_us / 1e3 / steps,
+            "by_thread": {t: n / steps for t, n in threads.most_common()}}
 
 
 def summary(prof: torch.profiler.profile, steps: int, wall: float, wait: float, loader_wait: float | None) -> dict:
@@ -134,7 +142,7 @@ def install_hooks(start: int, stop: int, json_path: str | None) -> dict[str, Any
         result["crosses_epoch_end"] = clock is not state["clock"]
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
                           if k not in ("top_kernels", "launches")}), flush=True)
-        print(json.dumps({"launches": {k: round(v, 3) for k, v in result["launches"].items()}}), flush=True)
+        print(json.dumps({"launches": result["launches"]}), flush=True)
         if json_path:
             Path(json_path).write_text(json.dumps(result, indent=1))
         state["done"] = True
@@ -181,6 +189,7 @@ class HostPhases:
         self.syncs = 0
         self.t0 = 0.0
         self.step_end: float | None = None  # when the last train_step returned (None: none yet this epoch)
+        self.crosses_epoch_end = False  # the window holds an epoch's end (its evaluation, saving): not loop time
         self.result: dict[str, Any] | None = None
 
     @property
@@ -198,11 +207,13 @@ class HostPhases:
     def step_begins(self) -> None:
         self.update += 1
         if self.update in (self.start, self.stop):
-            _sync()  # the window's ends are device time
+            t0 = time.perf_counter()
+            _sync()  # the window's ends are device time; the last drain is the host waiting for the device too
             now = time.perf_counter()
             if self.update == self.start:
                 self.t0 = now
             else:
+                self.seconds["sync"] = self.seconds.get("sync", 0.0) + now - t0
                 self.result = self.summary(now - self.t0)
                 print(json.dumps({"host": self.result}), flush=True)
 
@@ -210,12 +221,15 @@ class HostPhases:
         ms = {k: v * 1e3 / (self.stop - self.start) for k, v in self.seconds.items()}
         parts = {k: ms.get(k, 0.0) for k in self.PARTS}
         parts["backward_and_rest"] = ms.get("train_step", 0.0) - sum(parts.values())
-        parts["loop"] = ms.get("loop", 0.0) - ms.get("check_points", 0.0)  # scheduler, bookkeeping
-        parts["check_points_host"] = ms.get("check_points", 0.0) - ms.get("sync", 0.0)
+        # the loop between updates holds the check points, which hold the counter reads; the preemption vote after
+        # a check point is in the loop (both are device syncs)
+        parts["loop"] = ms.get("loop", 0.0) - ms.get("check_points", 0.0) - ms.get("vote", 0.0)
+        parts["check_points_host"] = ms.get("check_points", 0.0) - ms.get("read", 0.0)
         busy = sum(parts.values())
+        sync = ms.get("read", 0.0) + ms.get("vote", 0.0) + ms.get("sync", 0.0)
         out = {"updates": self.stop - self.start, "wall_ms": wall * 1e3 / (self.stop - self.start),
-               "host_busy_ms": busy, "sync_wait_ms": ms.get("sync", 0.0), "syncs": self.syncs,
-               **{f"{k}_ms": v for k, v in parts.items()}}
+               "host_busy_ms": busy, "sync_wait_ms": sync, "syncs": self.syncs,
+               "crosses_epoch_end": self.crosses_epoch_end, **{f"{k}_ms": v for k, v in parts.items()}}
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
     def install(self) -> None:
@@ -241,20 +255,21 @@ class HostPhases:
             finally:
                 phases.step_end = time.perf_counter()
 
-        def timed_sync(fn):
+        def timed_sync(fn, name):
             def wrapper(*args, **kwargs):
                 phases.syncs += phases.active
-                return phases.time("sync", fn, *args, **kwargs)
+                return phases.time(name, fn, *args, **kwargs)
             return wrapper
 
         def timed_epoch(*args, **kwargs):  # an epoch's end (evaluation, checkpoint) is not loop time
+            phases.crosses_epoch_end |= phases.step_end is not None and phases.active
             phases.step_end = None
             return train_one_epoch(*args, **kwargs)
 
         engine.setup, engine.train_step, engine.train_one_epoch = timed_setup, timed_train_step, timed_epoch
         engine.apply_update = lambda *a, **k: phases.time("apply_update", apply_update, *a, **k)
         engine.check_point = lambda *a, **k: phases.time("check_points", check_point, *a, **k)
-        engine.StepStats.read, engine.PreemptionFlag.agreed = timed_sync(read), timed_sync(agreed)
+        engine.StepStats.read, engine.PreemptionFlag.agreed = timed_sync(read, "read"), timed_sync(agreed, "vote")
         next_batch = engine.EpochClock.next_batch
         engine.EpochClock.next_batch = lambda clock, batches: phases.time("next_batch", next_batch, clock, batches)
 
@@ -286,17 +301,17 @@ def main() -> None:
         host.install()
     sys.argv = [str(ROOT / "train.py"), *args.overrides]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    if host is not None and host.result is not None and args.json and state["done"]:
+        # the profiled window's numbers, and the host window's beside them
+        result = json.loads(Path(args.json).read_text())
+        Path(args.json).write_text(json.dumps({**result, "host": host.result}, indent=1))
     if not state["done"]:
         if "prof" in state:  # started, never stopped: a profiler left running crashes the interpreter's exit
             state["prof"].__exit__(None, None, None)
         sys.exit(f"profile_train_step: the run fetched {state['batches']} training batches, fewer than --stop "
                  f"{args.stop}: nothing was profiled")
-    if host is not None:
-        if host.result is None:
-            sys.exit(f"profile_train_step: the run made {host.update} updates, fewer than --host's STOP {host.stop}")
-        if args.json:  # the profiled window's numbers, and the host window's beside them
-            result = json.loads(Path(args.json).read_text())
-            Path(args.json).write_text(json.dumps({**result, "host": host.result}, indent=1))
+    if host is not None and host.result is None:
+        sys.exit(f"profile_train_step: the run made {host.update} updates, fewer than --host's STOP {host.stop}")
 
 
 if __name__ == "__main__":

@@ -465,7 +465,8 @@ def test_profile_train_step_cpu(tmp_path, data):
     else:
         assert result["dataloader_next_ms"] is None and 0 < result["data_wait_ms"] < result["wall_ms"]
     assert result["kernel_ms"] == result["busy_ms"] == result["span_ms"] == 0.0
-    assert set(result["launches"].values()) == {0.0} and "cudaGraphLaunch" in result["launches"]  # no CUDA here
+    launches = result["launches"]  # no CUDA here
+    assert launches.pop("by_thread") == {} and set(launches.values()) == {0.0} and "cudaGraphLaunch" in launches
     assert result["top_kernels"].startswith("| kernel |") and result["crosses_epoch_end"] is False
     assert (tmp_path / "run" / "summary.json").is_file()  # the run went on to its end
     # --host: on the CPU every op runs as it is called, so the parts of the step and the loop add up to the wall
@@ -473,7 +474,9 @@ def test_profile_train_step_cpu(tmp_path, data):
     # vote)
     host = json.loads(next(s for s in stdout.splitlines() if s.startswith('{"host"')))["host"]
     assert host == result["host"] and host["updates"] == 5 and host["syncs"] == 4, host
+    assert host["crosses_epoch_end"] is False
     parts = [host[k] for k in host if k.endswith("_ms") and k not in ("wall_ms", "host_busy_ms", "sync_wait_ms")]
+    assert len(parts) == 8 and host["check_points_host_ms"] > 0, host  # the check points' own work, not their syncs
     assert all(v >= 0 for v in parts) and host["model_ms"] > 0 and host["apply_update_ms"] > 0, host
     assert host["host_busy_ms"] == pytest.approx(sum(parts), abs=0.01), host
     assert 0.9 * host["wall_ms"] < host["host_busy_ms"] + host["sync_wait_ms"] <= 1.01 * host["wall_ms"], host

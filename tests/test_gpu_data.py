@@ -388,7 +388,7 @@ def test_crop_resize_row_pass_grouping_changes_no_value(monkeypatch):
     rgb = [k for k, img in enumerate(images) if isinstance(img, torch.Tensor)]
     packed = ga.PackedImages.pack([images[k].cpu() for k in rgb]).to(device)
     results = {}
-    for grouped in (False, True):
+    for grouped in (True, False):  # grouped first: on CUDA its row buffer cannot be one the other call left filled
         monkeypatch.setattr(cr, "GROUP_PLANES", grouped)
         results[grouped] = (cr.crop_resize(images, boxes, modes, (23, 17), flips=flips),
                             cr.crop_resize_packed(packed.pixels, packed.shapes, boxes[rgb], modes[rgb], (23, 17),
