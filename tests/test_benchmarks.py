@@ -418,7 +418,7 @@ def test_bench_data_cpu(tmp_path):
                 "train.compile=false",
                 'train.args=["experiment=imagenet_swin_tiny","train.warmup_epochs=0",'
                 '"logger.wandb.mode=disabled","logger.progress=false","train.save_every_epochs=0"]',
-                "eval.workers=0", f"out_dir={out}"], cwd=tmp_path, timeout=240)
+                "eval.workers=0", f"out_dir={out}"], cwd=tmp_path, timeout=480)
     result = json.loads((out / "bench_data.json").read_text())
     assert result["folder"]["train_files"] == 16 and 60 < result["folder"]["mean_kb"] < 160
     rows = {(r["kind"], r.get("decode") or r.get("name")): r for r in result["rows"]}
