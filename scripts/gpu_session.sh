@@ -147,8 +147,9 @@ case "${1:-}" in
     Q="experiment=imagenet_swin_tiny train.batch_size=128 train.epochs=3 train.warmup_epochs=1 train.compile=true
        train.compile_mode=reduce-overhead train.save_every_epochs=0 train.save_every_steps=0 train.eval_every=1000
        logger.wandb.mode=disabled logger.progress=false"
-    profile_run() {  # NAME TIMEOUT "FLAGS" OVERRIDES...: the profiled window, then (py-spy carried in .whl) 4 s of
-      # which thread holds the GIL (py-spy --gil: only GIL holders are sampled), per thread, in epoch 3
+    profile_run() {  # NAME TIMEOUT "FLAGS" OVERRIDES...: the profiled window and the host window, then (PROFILE_SPY=1,
+      # py-spy carried in .whl) 4 s from the profiled window's end of which thread holds the GIL (py-spy --gil: only
+      # GIL holders are sampled), per thread
       local name=$1 limit=$2 flags=$3; shift 3
       timeout "$limit" python scripts/profile_train_step.py $flags --host 330 470 --json "$OUT/profile_$name.json" -- "$@" \
         > "$R/$name.out" 2>&1 &
