@@ -185,7 +185,7 @@ class HostPhases:
     def __init__(self, start: int, stop: int):
         self.start, self.stop = start, stop
         self.update = 0  # train_step calls so far
-        self.seconds: dict[str, float] = {}
+        self.seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.syncs = 0
         self.t0 = 0.0
         self.step_end: float | None = None  # when the last train_step returned (None: none yet this epoch)
@@ -202,7 +202,7 @@ class HostPhases:
             return fn(*args, **kwargs)
         finally:
             if self.active:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+                self.seconds[name] += time.perf_counter() - t0
 
     def step_begins(self) -> None:
         self.update += 1
@@ -213,7 +213,7 @@ class HostPhases:
             if self.update == self.start:
                 self.t0 = now
             else:
-                self.seconds["sync"] = self.seconds.get("sync", 0.0) + now - t0
+                self.seconds["sync"] += now - t0
                 self.result = self.summary(now - self.t0)
                 print(json.dumps({"host": self.result}), flush=True)
 
@@ -248,7 +248,7 @@ class HostPhases:
 
         def timed_train_step(*args, **kwargs):
             if phases.step_end is not None and phases.active:  # the loop's time after the last update
-                phases.seconds["loop"] = phases.seconds.get("loop", 0.0) + time.perf_counter() - phases.step_end
+                phases.seconds["loop"] += time.perf_counter() - phases.step_end
             phases.step_begins()
             try:
                 return phases.time("train_step", train_step, *args, **kwargs)
