@@ -43,13 +43,9 @@ BILINEAR, BICUBIC, NEAREST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
  YCBCR) = (tl.constexpr(k) for k in range(16))
 META = tl.constexpr(16)
 # launch geometry on a GPU, rows per program and warps (scripts/bench_augment_kernels.py sweeps them): the kernels
-# are bound by instruction issue and gather latency, not bandwidth, and 4 x 4 was the fastest of 4-32 rows x 2-8
-# warps on the H100 (0.35 ms against 0.52 ms at 16 rows for 128 images to 224 x 224, docs/benchmarks.md)
-GPU_BLOCK, GPU_WARPS = 4, 4
-# whether the row pass's programs take a group of planes that share a crop window (an RGB image's three) instead of
-# one plane: the taps' weights, about half of a program's instructions per tap, are then computed once for the group.
-# Off until timed on a GPU (scripts/bench_augment_kernels.py compares the two; the outputs are identical)
-GROUP_PLANES = False
+# are bound by instruction issue and gather latency, not bandwidth; 4 rows x 2 warps was the fastest of 2-32 rows x
+# 2-8 warps on the H100 (0.289 ms for 128 images to 224 x 224; 4 x 4: 0.293, 16 x 4: 0.542; docs/benchmarks.md)
+GPU_BLOCK, GPU_WARPS = 4, 2
 
 
 @dataclass(frozen=True, eq=False)  # (tensors do not compare as one bool)
@@ -137,17 +133,14 @@ def _field(meta, k):
 # Triton turns an int argument equal to 1 into a compile-time constant, a Python int without `.to` in _taps
 @triton.jit(do_not_specialize=["OUT_W"])
 def crop_resize_rows_kernel(src_ptr, meta_ptr, groups_ptr, rows_ptr, OUT_W, BLOCK_R: tl.constexpr,
-                            BLOCK_W: tl.constexpr, CHANNELS_LAST: tl.constexpr, GROUPED: tl.constexpr):
+                            BLOCK_W: tl.constexpr, CHANNELS_LAST: tl.constexpr):
     """rows[plane, window row, j]: each plane's crop window rows resized to OUT_W columns (fp32, not rounded).
     Planes are rows of pixels at their pitch, pixels next to each other or, CHANNELS_LAST, every third byte.
-    One plane per program, or GROUPED a group of 1 to 3 planes with one window (``groups_ptr``: first plane,
-    count; an RGB image's three, a YCbCr image's luma, its two chroma planes) whose taps and weights, most of the
-    instructions, are computed once for them all."""
-    if GROUPED:
-        group = groups_ptr + tl.program_id(0) * 2
-        first_plane, count = tl.load(group), tl.load(group + 1)
-    else:
-        first_plane, count = tl.program_id(0), 1
+    Each program takes a group of 1 to 3 planes with one crop window (``groups_ptr``: first plane, count; an RGB
+    image's three, a YCbCr image's luma, its two chroma planes) and computes the taps and their weights, about half
+    of its instructions, once for them all (one plane per program: 0.37 ms against 0.29 for 128 images, H100)."""
+    group = groups_ptr + tl.program_id(0) * 2
+    first_plane, count = tl.load(group), tl.load(group + 1)
     meta = meta_ptr + first_plane * META
     top, left, rows, cols = _field(meta, TOP), _field(meta, LEFT), _field(meta, ROWS), _field(meta, COLS)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -159,29 +152,27 @@ def crop_resize_rows_kernel(src_ptr, meta_ptr, groups_ptr, rows_ptr, OUT_W, BLOC
                                         _field(meta, REM_LEFT), cols, mode)
         step: tl.constexpr = 3 if CHANNELS_LAST else 1
         src0 = src_ptr + tl.load(meta + OFFSET) + (top + r)[:, None] * _field(meta, PITCH) + left * step
+        # planes past the group's count read and write nothing (the group's last plane stands in)
+        meta1, meta2 = meta + tl.minimum(count - 1, 1) * META, meta + tl.minimum(count - 1, 2) * META
+        live1, live2 = live & (count > 1), live & (count > 2)
+        src1 = src_ptr + tl.load(meta1 + OFFSET) + (top + r)[:, None] * _field(meta1, PITCH) + left * step
+        src2 = src_ptr + tl.load(meta2 + OFFSET) + (top + r)[:, None] * _field(meta2, PITCH) + left * step
         acc0 = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
-        if GROUPED:  # planes past the group's count read and write nothing (the group's last plane stands in)
-            meta1, meta2 = meta + tl.minimum(count - 1, 1) * META, meta + tl.minimum(count - 1, 2) * META
-            live1, live2 = live & (count > 1), live & (count > 2)
-            src1 = src_ptr + tl.load(meta1 + OFFSET) + (top + r)[:, None] * _field(meta1, PITCH) + left * step
-            src2 = src_ptr + tl.load(meta2 + OFFSET) + (top + r)[:, None] * _field(meta2, PITCH) + left * step
-            acc1 = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
-            acc2 = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
         total = tl.zeros((BLOCK_W,), dtype=tl.float32)
         for t in range(0, tl.max(tl.where(j < OUT_W, end - first, 0), 0)):
             x, inside, w = _tap(t, first, end, centre, inv, mode)
             column = x[None, :] * step
             acc0 += w[None, :] * tl.load(src0 + column, mask=live & inside[None, :], other=0).to(tl.float32)
-            if GROUPED:
-                acc1 += w[None, :] * tl.load(src1 + column, mask=live1 & inside[None, :], other=0).to(tl.float32)
-                acc2 += w[None, :] * tl.load(src2 + column, mask=live2 & inside[None, :], other=0).to(tl.float32)
+            acc1 += w[None, :] * tl.load(src1 + column, mask=live1 & inside[None, :], other=0).to(tl.float32)
+            acc2 += w[None, :] * tl.load(src2 + column, mask=live2 & inside[None, :], other=0).to(tl.float32)
             total += w
         norm = tl.where(total > 0, total, 1.0)[None, :]
         out = r[:, None] * OUT_W + j[None, :]
         tl.store(rows_ptr + tl.load(meta + ROWS_AT) + out, acc0 / norm, mask=live)
-        if GROUPED:
-            tl.store(rows_ptr + tl.load(meta1 + ROWS_AT) + out, acc1 / norm, mask=live1)
-            tl.store(rows_ptr + tl.load(meta2 + ROWS_AT) + out, acc2 / norm, mask=live2)
+        tl.store(rows_ptr + tl.load(meta1 + ROWS_AT) + out, acc1 / norm, mask=live1)
+        tl.store(rows_ptr + tl.load(meta2 + ROWS_AT) + out, acc2 / norm, mask=live2)
 
 
 @triton.jit
@@ -318,12 +309,9 @@ def _windows(start: np.ndarray, length: np.ndarray, shift: np.ndarray, limit: np
 
 
 def _plane_groups(ycbcr: np.ndarray) -> np.ndarray:
-    """(first plane, planes) of the row pass's programs (crop_resize_rows_kernel): with GROUP_PLANES, the groups of
-    planes that share a crop window (an RGB image's three planes, a YCbCr image's luma and its two chroma planes),
-    else each plane alone. ycbcr: per plane (3 per image), whether its image is YCbCr."""
-    planes = len(ycbcr)
-    if not GROUP_PLANES:
-        return np.stack([np.arange(planes), np.ones(planes, dtype=np.int64)], axis=1)
+    """(first plane, planes) of the row pass's programs (crop_resize_rows_kernel): the groups of planes that share
+    a crop window, an RGB image's three planes, a YCbCr image's luma and its two chroma planes. ycbcr: per plane
+    (3 per image), whether its image is YCbCr."""
     images = np.asarray(ycbcr[0::3], dtype=bool)
     firsts = [[3 * k, 3 * k + 1] if is_ycbcr else [3 * k] for k, is_ycbcr in enumerate(images)]
     counts = [[1, 2] if is_ycbcr else [3] for is_ycbcr in images]
@@ -362,8 +350,7 @@ def _launch(src: torch.Tensor, planes: np.ndarray, boxes: np.ndarray, modes: np.
     # the interpreter runs each program's block as one numpy operation: fewer, larger ones
     block, warps = (max(1, 4096 // block_w), 4) if interpreting() else (GPU_BLOCK, GPU_WARPS)
     launch_direct(crop_resize_rows_kernel, (len(groups), triton.cdiv(int(rows.max()), block)), src, meta_t, groups_t,
-                  rows_buffer, out_w, BLOCK_R=block, BLOCK_W=block_w, CHANNELS_LAST=channels_last,
-                  GROUPED=GROUP_PLANES, num_warps=warps)
+                  rows_buffer, out_w, BLOCK_R=block, BLOCK_W=block_w, CHANNELS_LAST=channels_last, num_warps=warps)
     convert = bool(ycbcr.any())
     launch_direct(crop_resize_cols_kernel, (n if convert else n * 3, triton.cdiv(out_h, block)), rows_buffer, meta_t,
                   out, out_h, out_w, BLOCK_I=block, BLOCK_W=block_w, CONVERT=convert, num_warps=warps)

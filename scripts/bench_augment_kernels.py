@@ -5,8 +5,7 @@ statistics, a lookup-table and an apply kernel (kernels.rand_augment). Under MPS
 training step, so its GPU time is what matters. This times, for a recipe batch (RandomResizedCrop boxes, random
 bilinear / bicubic, flips, rand-m9-mstd0.5-inc1) of random images of ImageNet-like sizes:
 - the crops as shipped (each image read where it lies), and the torch.cat that packing the images would cost;
-- the crop kernels at each rows-per-program x warps (kernels.crop_resize.GPU_BLOCK / GPU_WARPS), with each grouping
-  of the row pass's planes (kernels.crop_resize.GROUP_PLANES: an image's planes per program, or one);
+- the crop kernels at each rows-per-program x warps (kernels.crop_resize.GPU_BLOCK / GPU_WARPS);
 - a RandAugment layer (its three kernels) at each pixels-per-program x warps of its apply kernel
   (kernels.rand_augment.APPLY_BLOCK / APPLY_WARPS).
 GPU time per call is the kernels' own time under torch.profiler (copies excluded), the mean of --calls calls
@@ -52,12 +51,11 @@ def recipe_batch(n: int, size: int, seed: int, device: str = "cuda", sides: tupl
 
 
 def sweep(module: Any, settings: tuple[str, str], blocks: tuple[int, ...], unit: str, run: Callable[[], torch.Tensor],
-          calls: int, shipped: torch.Tensor | None = None) -> list[str]:
+          calls: int) -> list[str]:
     """One row per (block, warps) of the launch settings ``module.<settings>``: `run`'s GPU time and its output's
-    largest difference from the shipped output (default: `run`'s at the current settings); the settings are restored
-    after."""
+    largest difference from the output at the shipped settings; the settings are restored after."""
     shipped_settings = tuple(getattr(module, name) for name in settings)
-    shipped = run() if shipped is None else shipped
+    shipped = run()
     rows = []
     try:
         for block in blocks:
@@ -76,20 +74,11 @@ def sweep(module: Any, settings: tuple[str, str], blocks: tuple[int, ...], unit:
 def crop_rows(images: list[torch.Tensor], plan: ga.BatchPlan, size: int, calls: int) -> list[str]:
     def crops() -> torch.Tensor:
         return cr.crop_resize(images, plan.boxes, plan.modes, (size, size), flips=plan.flips)
-    grouping = {True: "an image's planes", False: "one plane"}
-    rows = [f"| crops as shipped ({cr.GPU_BLOCK} rows of {grouping[cr.GROUP_PLANES]} per program, {cr.GPU_WARPS} "
-            f"warps), images read in place | {kernel_us(crops, calls):.1f} | 0 |",
+    return [f"| crops as shipped ({cr.GPU_BLOCK} rows of an image's planes per program, {cr.GPU_WARPS} warps), "
+            f"images read in place | {kernel_us(crops, calls):.1f} | 0 |",
             f"| torch.cat of the decoded images (packing them first) | "
-            f"{kernel_us(lambda: torch.cat([i.reshape(-1) for i in images]), calls):.1f} | |"]
-    shipped, shipped_grouping = crops(), cr.GROUP_PLANES
-    try:  # each geometry with both groupings of the row pass's planes (GROUP_PLANES)
-        for grouped in (shipped_grouping, not shipped_grouping):
-            cr.GROUP_PLANES = grouped
-            rows += sweep(cr, ("GPU_BLOCK", "GPU_WARPS"), (2, 4, 8, 16, 32),
-                          f"rows of {grouping[grouped]} (GROUP_PLANES={grouped})", crops, calls, shipped)
-    finally:
-        cr.GROUP_PLANES = shipped_grouping
-    return rows
+            f"{kernel_us(lambda: torch.cat([i.reshape(-1) for i in images]), calls):.1f} | |",
+            *sweep(cr, ("GPU_BLOCK", "GPU_WARPS"), (2, 4, 8, 16, 32), "rows of an image's planes", crops, calls)]
 
 
 def apply_rows(x: torch.Tensor, plan: ga.BatchPlan, calls: int) -> list[str]:

@@ -506,8 +506,7 @@ def test_bench_worker_cost_cpu(tmp_path):
 
 def test_bench_augment_kernels_sweeps_and_restores_the_launch_geometry(monkeypatch):
     """bench_augment_kernels.py's rows on the CPU (the interpreter; a wall-clock timer instead of the profiler's GPU
-    time): one row per geometry and for the row pass's other grouping of planes, every one's output equal to the
-    shipped one's, the shipped settings restored."""
+    time): one row per geometry, every one's output equal to the shipped one's, the shipped settings restored."""
     import time
 
     from scripts import bench_augment_kernels as bench
@@ -518,17 +517,15 @@ def test_bench_augment_kernels_sweeps_and_restores_the_launch_geometry(monkeypat
             fn()
         return (time.perf_counter() - start) / calls * 1e6
     monkeypatch.setattr(bench, "kernel_us", wall_us)
-    shipped = (bench.cr.GPU_BLOCK, bench.cr.GPU_WARPS, bench.cr.GROUP_PLANES, bench.ra.APPLY_BLOCK,
-               bench.ra.APPLY_WARPS)
+    shipped = (bench.cr.GPU_BLOCK, bench.cr.GPU_WARPS, bench.ra.APPLY_BLOCK, bench.ra.APPLY_WARPS)
     images, plan = bench.recipe_batch(2, 16, seed=3, device="cpu", sides=(20, 40))
     x = bench.cr.crop_resize(images, plan.boxes, plan.modes, (16, 16), flips=plan.flips)
     rows = bench.crop_rows(images, plan, 16, calls=1) + bench.apply_rows(x, plan, calls=1)
-    assert len(rows) == 2 + 2 * 5 * 3 + 1 + 3 * 3 and f"GROUP_PLANES={not bench.cr.GROUP_PLANES}" in rows[-11]
+    assert len(rows) == 2 + 5 * 3 + 1 + 3 * 3
     cells = [row.strip("|").split("|") for row in rows]
     assert all(float(c[1]) > 0 for c in cells)
-    assert all(c[2].strip() in ("0", "") for c in cells)  # the same output at every geometry and grouping
-    assert (bench.cr.GPU_BLOCK, bench.cr.GPU_WARPS, bench.cr.GROUP_PLANES, bench.ra.APPLY_BLOCK,
-            bench.ra.APPLY_WARPS) == shipped
+    assert all(c[2].strip() in ("0", "") for c in cells)  # the same output at every geometry
+    assert (bench.cr.GPU_BLOCK, bench.cr.GPU_WARPS, bench.ra.APPLY_BLOCK, bench.ra.APPLY_WARPS) == shipped
 
 
 @pytest.mark.slow

@@ -364,9 +364,9 @@ def test_batched_crop_resize_of_ycbcr_planes_matches_float64():
 
 
 def test_crop_resize_row_pass_grouping_changes_no_value(monkeypatch):
-    """The row pass with an image's planes per program (kernels.crop_resize.GROUP_PLANES: RGB images' three planes,
-    YCbCr images' luma and chroma pair) gives exactly what one plane per program gives (which the tests above hold to
-    their references): a mixed batch with flips, and RGB images packed channels-last."""
+    """The row pass with an image's planes per program (kernels.crop_resize._plane_groups: RGB images' three
+    planes, YCbCr images' luma and chroma pair) gives exactly what one plane per program gives: a mixed batch with
+    flips, and RGB images packed channels-last."""
     from kernels import crop_resize as cr
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rng = _rng()
@@ -388,8 +388,11 @@ def test_crop_resize_row_pass_grouping_changes_no_value(monkeypatch):
     rgb = [k for k, img in enumerate(images) if isinstance(img, torch.Tensor)]
     packed = ga.PackedImages.pack([images[k].cpu() for k in rgb]).to(device)
     results = {}
+    def one_plane_each(ycbcr: np.ndarray) -> np.ndarray:
+        return np.stack([np.arange(len(ycbcr)), np.ones(len(ycbcr), dtype=np.int64)], axis=1)
     for grouped in (True, False):  # grouped first: on CUDA its row buffer cannot be one the other call left filled
-        monkeypatch.setattr(cr, "GROUP_PLANES", grouped)
+        if not grouped:
+            monkeypatch.setattr(cr, "_plane_groups", one_plane_each)
         results[grouped] = (cr.crop_resize(images, boxes, modes, (23, 17), flips=flips),
                             cr.crop_resize_packed(packed.pixels, packed.shapes, boxes[rgb], modes[rgb], (23, 17),
                                                   channels_last=True, flips=flips[rgb]))
