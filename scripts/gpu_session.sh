@@ -23,7 +23,7 @@
 #                                         # then the same recipe on synthetic data (PROFILE_ROWS="replay synthetic":
 #                                         # the decoding run's workers doing no GPU work, scripts/train_replay.py;
 #                                         # gpu_check160, synthetic_check160: check points every 160 updates, i.e.
-#                                         # one device sync per epoch instead of every 10 updates);
+#                                         # one device sync per epoch instead of one per log line, every 50 updates);
 #                                         # PROFILE_ARGS: more overrides of the decode=gpu run (e.g. data.reprob=0);
 #                                         # ~3 min a row; JSON in $OUT/profile_*.json; PROFILE_SPY=1 (py-spy's
 #                                         # wheel in .whl): which thread holds the GIL after the window (4 s from
@@ -50,7 +50,7 @@
 #                                         # augmentation: the training process's own side) and with data.decode=gpu;
 #                                         # last epoch's img/s of each in $OUT/train_side.md; ~8 min from cold
 #                                         # (SIDE_ROWS: of synthetic replay gpu_host gpu_ring, the first three by
-#                                         # default; SIDE_ARGS: overrides for every row, e.g. train.max_nonfinite=50)
+#                                         # default; SIDE_ARGS: overrides for every row, e.g. logger.log_every_steps=10)
 #   bash scripts/gpu_session.sh gelu      # cuBLAS fc1, fc1 + GELU and fc1 with cuBLASLt's GELU epilogue at Swin-T's fc1
 #                                         # shapes: times, errors vs float64 (scripts/bench_fc1_gelu.py;
 #                                         # GELU_ARGS="--model base --batch 64 --dtype fp16")
@@ -182,7 +182,7 @@ print(f'GIL held {total / 800:.0%} of the 4 s ({total} of 800 samples; fewer if 
 synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthetic'))))" $Q hydra.run.dir="$R/synthetic")
     G="$Q data.root=$R/fakenet data.decode=gpu data.num_workers=8"
     SYN="$S data=synthetic data.train_samples=20480 data.val_samples=128 data.num_classes=64"
-    SPARSE="train.max_nonfinite=160 logger.log_every_steps=160"  # check points (device syncs): one per epoch
+    SPARSE="logger.log_every_steps=160"  # check points (device syncs): one per epoch
     for row in ${PROFILE_ROWS:-gpu synthetic}; do  # replay: the workers do no GPU work (scripts/train_replay.py)
       case $row in
         gpu) profile_run gpu 360 "" $G hydra.run.dir="$R/gpu" ${PROFILE_ARGS:-} ;;

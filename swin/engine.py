@@ -563,16 +563,17 @@ def check_point(run: Run, reads: _Reads, clock: EpochClock, epoch: int, step: in
     in a row, refresh the progress bar, and write the log line at log intervals. Returns the epoch's
     (finite loss sum, finite updates) so far."""
     t = run.cfg.train
-    consecutive, total, loss_sum, n = run.stats.read()  # the sync
+    counts = run.stats.read()  # the sync
     clock.mark()
-    if total > reads.nonfinite_total:
-        log.warning(f"non-finite loss or gradients in {total - reads.nonfinite_total} update(s) up to epoch "
-                    f"{epoch + 1} step {step + 1}: skipped, weights unchanged ({consecutive} in a row, {total} in "
-                    "total)")
-    reads.nonfinite_total = run.nonfinite_total = total
-    if consecutive >= t.max_nonfinite:
+    loss_sum, n = counts.loss_sum, counts.finite
+    if counts.total > reads.nonfinite_total:
+        log.warning(f"non-finite loss or gradients in {counts.total - reads.nonfinite_total} update(s) up to epoch "
+                    f"{epoch + 1} step {step + 1}: skipped, weights unchanged ({counts.streak} in a row now, "
+                    f"{counts.longest_streak} at most, {counts.total} in total)")
+    reads.nonfinite_total = run.nonfinite_total = counts.total
+    if counts.longest_streak >= t.max_nonfinite:
         raise NonFiniteLossError(
-            f"stopping: the loss or the gradients were non-finite for {consecutive} updates in a row "
+            f"stopping: the loss or the gradients were non-finite for {counts.longest_streak} updates in a row "
             f"(train.max_nonfinite={t.max_nonfinite}); the last good checkpoint is {run.ckpt_dir / 'last.pt'}. "
             "Lower train.lr, keep train.clip_grad on, or use train.amp=bf16/fp32 instead of fp16")
     cur_lr = run.optimizer.param_groups[0]["lr"]
@@ -596,13 +597,13 @@ def check_point(run: Run, reads: _Reads, clock: EpochClock, epoch: int, step: in
 def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
     """The updates of one epoch (from run.step_in_epoch on); returns the epoch's training record.
 
-    The device is synchronised only at check points: after the epoch's first update, every
-    min(logger.log_every_steps, train.max_nonfinite) updates, at log lines, before mid-epoch checkpoints
-    and at the end. A run with train.max_nonfinite non-finite updates in a row therefore stops at the next
-    check point (at most that many updates later); the skipped updates never change the weights.
+    The device is synchronised only at check points: after the epoch's first update, at log lines (every
+    logger.log_every_steps updates), before mid-epoch checkpoints and at the end; each sync idles the GPU while
+    the host queues the next update. The device keeps the longest run of non-finite updates since the last
+    read, so a run with train.max_nonfinite of them in a row stops at the next check point; the skipped updates
+    never change the weights.
     """
     t = run.cfg.train
-    check_every = max(1, min(run.cfg.logger.log_every_steps, t.max_nonfinite))
     # resuming mid-epoch: skip what this rank already consumed, in the same order
     run.train_loader.set_epoch(epoch, start_batch=run.step_in_epoch * t.accum_steps)
     run.model.train()
@@ -622,7 +623,7 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
         bar.update(1)
         save_now = bool(t.save_every_steps) and run.global_step % t.save_every_steps == 0
         save_now = save_now and step + 1 < run.steps_per_epoch  # the epoch end saves anyway
-        if (step == first or step + 1 == run.steps_per_epoch or save_now or run.global_step % check_every == 0
+        if (step == first or step + 1 == run.steps_per_epoch or save_now
                 or run.global_step % run.cfg.logger.log_every_steps == 0):
             epoch_loss = check_point(run, reads, clock, epoch, step, bar)
             # the epoch's end is left to finish_epoch, which saves anyway (then _run stops)

@@ -12,8 +12,8 @@ and EMA stay exactly as they were. AMP's GradScaler skips steps the same way: a 
   their step count back, without a sync. Every other optimizer (SGD, timm's, CPU runs without
   ``train.opt_fused=true``) reads the flag on the host: one sync per update, still exact;
 * :func:`EmaUpdater` lerps the EMA weights with weight ``(1 - decay) * (not skipped)``;
-* :class:`StepStats` counts non-finite updates (consecutive and total) and sums the losses on the
-  device; the host reads them at check points (log intervals, epoch ends, before checkpoints).
+* :class:`StepStats` counts non-finite updates (consecutive, the longest run in a row, total) and sums the
+  losses on the device; the host reads them at check points (log lines, epoch ends, before checkpoints).
 
 With an fp16 GradScaler the scaler keeps its own logic (skip and back off on overflowing gradients,
 which are routine and not counted); a non-finite loss is made visible to it by adding ``loss * 0``
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -99,26 +100,41 @@ class EmaUpdater:
             torch._foreach_copy_(*self.others)
 
 
+class StepCounts(NamedTuple):
+    """StepStats as read on the host."""
+
+    longest_streak: int  # the longest run of non-finite updates in a row since the previous read
+    streak: int  # non-finite updates in a row up to now
+    total: int  # non-finite updates in total
+    loss_sum: float  # sum of this epoch's finite step losses
+    finite: int  # number of those steps
+
+
 class StepStats:
     """Device-side counters of the training steps, read on the host only at check points.
 
     ``values`` = [non-finite updates in a row, non-finite updates in total, sum of finite step losses this
-    epoch, number of those steps]; :meth:`read` returns them (one sync) as floats.
+    epoch, number of those steps, the longest run in a row since the last read]; the longest run lets the host
+    read rarely (at log lines) and still see a streak that ended between two reads.
     """
 
     def __init__(self, device: torch.device, nonfinite_total: int = 0):
-        self.values = torch.tensor([0.0, float(nonfinite_total), 0.0, 0.0], dtype=torch.float64, device=device)
+        self.values = torch.tensor([0.0, float(nonfinite_total), 0.0, 0.0, 0.0], dtype=torch.float64, device=device)
 
     def record(self, loss: torch.Tensor, loss_bad: torch.Tensor, counted: torch.Tensor) -> None:
         """One update: its mean loss, whether the loss was non-finite, whether the update counts as non-finite."""
         c = counted.to(torch.float64)
-        self.values[0].add_(1).mul_(c)  # +1, or back to 0
+        streak = (self.values[0] + 1) * c  # +1, or back to 0
+        finite_loss = torch.where(loss_bad, 0.0, loss.detach().double())
         ok = (~loss_bad).to(torch.float64)
-        self.values[1:].add_(torch.stack([c, torch.where(loss_bad, 0.0, loss.detach().double()), ok]))
+        v = self.values
+        self.values.copy_(torch.stack([streak, v[1] + c, v[2] + finite_loss, v[3] + ok, torch.maximum(v[4], streak)]))
 
     def new_epoch(self) -> None:
-        self.values[2:].zero_()
+        self.values[2:4].zero_()
 
-    def read(self) -> tuple[int, int, float, int]:
-        consecutive, total, loss_sum, n = self.values.tolist()
-        return int(consecutive), int(total), loss_sum, int(n)
+    def read(self) -> StepCounts:
+        """The counters (one sync); the longest streak starts again from the current one."""
+        streak, total, loss_sum, n, longest = self.values.tolist()
+        self.values[4].copy_(self.values[0])
+        return StepCounts(int(longest), int(streak), int(total), loss_sum, int(n))

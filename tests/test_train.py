@@ -68,7 +68,7 @@ def test_stop_signal_saves_at_next_check_point_and_same_command_finishes(tmp_pat
     Preempted stop, and the same command ends with exactly the weights of an uninterrupted run."""
     from swin.preemption import Preempted
 
-    args = [*DET, "train.max_nonfinite=2"]  # 6 steps/epoch; check points every 2 updates and at epoch ends
+    args = [*DET, "logger.log_every_steps=2"]  # 6 steps/epoch; check points every 2 updates and at epoch ends
     train_inprocess(tmp_path / "ref", *args)
     run = tmp_path / "run"
     monkeypatch.setattr("swin.engine.create_model", SignalAt(call=8, signum=signal.SIGUSR2))  # epoch 2, step 2

@@ -68,20 +68,22 @@ def test_nan_gradient_leaves_weights_and_optimizer_state_unchanged(tmp_path, fus
     batches = iter(run.train_loader)
     for _ in range(2):  # optimizer state and EMA exist and move
         _step(run, batches)
-    assert run.stats.read()[:2] == (0, 0)
+    assert run.stats.read()[:3] == (0, 0, 0)  # (longest in a row since the last read, in a row, in total)
     before = _snapshot(run)
     poison.on = True
     _step(run, batches)
     assert _equal(_snapshot(run), before), "a step with a NaN gradient changed the training state"
-    assert run.stats.read()[:2] == (1, 1)  # (in a row, in total)
+    assert run.stats.read()[:3] == (1, 1, 1)
     _step(run, batches)
-    assert run.stats.read()[:2] == (2, 2)
+    assert run.stats.read()[:3] == (2, 2, 2)
     poison.on = False
     _step(run, batches)
     after = _snapshot(run)
     assert not _equal(after["model"], before["model"]) and not _equal(after["ema"], before["ema"])
-    consecutive, total, loss_sum, finite_losses = run.stats.read()
-    assert (consecutive, total, finite_losses) == (0, 2, 5) and math.isfinite(loss_sum)  # finite losses count
+    longest, streak, total, loss_sum, finite_losses = run.stats.read()
+    # the streak ended (0 now), the longest since the last read was 2, and the next read starts from 0
+    assert (longest, streak, total, finite_losses) == (2, 0, 2, 5) and math.isfinite(loss_sum)  # finite losses count
+    assert run.stats.read().longest_streak == 0
 
 
 def test_fp16_non_finite_loss_is_skipped_by_the_scaler_and_counted(tmp_path):
@@ -99,13 +101,13 @@ def test_fp16_non_finite_loss_is_skipped_by_the_scaler_and_counted(tmp_path):
     assert _equal(after["model"], before["model"]) and _equal(after["opt"], before["opt"])
     assert _equal(after["ema"], before["ema"])
     assert after["scaler"]["scale"] < before["scaler"]["scale"]
-    assert run.stats.read()[:2] == (1, 1)
+    assert run.stats.read()[1:3] == (1, 1)  # (in a row, in total)
     loss_poison.on, grad_poison.on = False, True
     before = _snapshot(run)
     _step(run, batches)
     after = _snapshot(run)
     assert _equal(after["model"], before["model"]) and _equal(after["ema"], before["ema"])
-    assert run.stats.read()[:2] == (0, 1)  # skipped by the scaler, not counted
+    assert run.stats.read()[1:3] == (0, 1)  # skipped by the scaler, not counted
 
 
 class NaNGradModel:
@@ -135,18 +137,29 @@ def test_nan_gradients_in_a_run_are_skipped_counted_and_logged(tmp_path, monkeyp
     # read at check points (here: an epoch's first and last update): update 3 is reported at step 6
     text = (tmp_path / "train.log").read_text()
     assert "non-finite loss or gradients in 1 update(s) up to epoch 1 step 6: skipped, weights unchanged (0 in a " \
-           "row, 1 in total)" in text
-    assert "in 1 update(s) up to epoch 2 step 1: skipped, weights unchanged (1 in a row, 2 in total)" in text
+           "row now, 1 at most, 1 in total)" in text
+    assert "in 1 update(s) up to epoch 2 step 1: skipped, weights unchanged (1 in a row now, 1 at most, 2 in " \
+           "total)" in text
 
 
 def test_nan_gradients_in_a_row_stop_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr("swin.engine.create_model", NaNGradModel(nan_from=1))
-    with pytest.raises(NonFiniteLossError, match=r"non-finite for 4 updates in a row"):
-        train_inprocess(tmp_path, *DET, "train.max_nonfinite=4", "logger.log_every_steps=50")
-    # counters are read after an epoch's first update and every min(log_every_steps, max_nonfinite) = 4
-    # updates: the run stops at update 4, before the end of the epoch, so nothing was saved
+    with pytest.raises(NonFiniteLossError, match=r"non-finite for 3 updates in a row"):
+        train_inprocess(tmp_path, *DET, "train.max_nonfinite=2", "logger.log_every_steps=3")
+    # counters are read after an epoch's first update and at log lines (every 3 updates): the run stops at
+    # update 3, before the end of the epoch, so nothing was saved
     assert not (tmp_path / "checkpoints/last.pt").exists()
-    assert "(1 in a row, 1 in total)" in (tmp_path / "train.log").read_text()  # the read after update 1
+    assert "(1 in a row now, 1 at most, 1 in total)" in (tmp_path / "train.log").read_text()  # the read after update 1
+
+
+def test_a_streak_that_ended_between_two_reads_still_stops_the_run(tmp_path, monkeypatch):
+    """Updates 2-5 non-finite, 6 fine: the read at the epoch's end (update 6) sees no streak now, but the device
+    kept the longest one since the previous read (update 1), 4 >= train.max_nonfinite."""
+    monkeypatch.setattr("swin.engine.create_model", NaNGradModel(nan_calls={2, 3, 4, 5}))
+    with pytest.raises(NonFiniteLossError, match=r"non-finite for 4 updates in a row \(train.max_nonfinite=4\)"):
+        train_inprocess(tmp_path, *DET, "train.max_nonfinite=4", "logger.log_every_steps=50")
+    assert "up to epoch 1 step 6: skipped, weights unchanged (0 in a row now, 4 at most, 4 in total)" \
+        in (tmp_path / "train.log").read_text()
 
 
 def test_log_loss_is_the_mean_since_the_last_log_line(tmp_path):
@@ -186,8 +199,8 @@ def test_gpu_steady_state_step_never_syncs(tmp_path, case):
             _step(run, batches)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    consecutive, total, _, finite = run.stats.read()
-    assert (consecutive, total, finite) == (0, 0, 5)
+    counts = run.stats.read()
+    assert (counts.longest_streak, counts.streak, counts.total, counts.finite) == (0, 0, 0, 5)
 
 
 def test_ema_updater_matches_timm_model_ema_and_skips_on_the_device():
