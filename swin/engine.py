@@ -568,8 +568,8 @@ def check_point(run: Run, reads: _Reads, clock: EpochClock, epoch: int, step: in
     loss_sum, n = counts.loss_sum, counts.finite
     if counts.total > reads.nonfinite_total:
         log.warning(f"non-finite loss or gradients in {counts.total - reads.nonfinite_total} update(s) up to epoch "
-                    f"{epoch + 1} step {step + 1}: skipped, weights unchanged ({counts.streak} in a row now, "
-                    f"{counts.longest_streak} at most, {counts.total} in total)")
+                    f"{epoch + 1} step {step + 1}: skipped, weights unchanged ({counts.streak} in a row now, longest "
+                    f"{counts.longest_streak} since the last check, {counts.total} in total)")
     reads.nonfinite_total = run.nonfinite_total = counts.total
     if counts.longest_streak >= t.max_nonfinite:
         raise NonFiniteLossError(
