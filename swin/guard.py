@@ -124,11 +124,10 @@ class StepStats:
     def record(self, loss: torch.Tensor, loss_bad: torch.Tensor, counted: torch.Tensor) -> None:
         """One update: its mean loss, whether the loss was non-finite, whether the update counts as non-finite."""
         c = counted.to(torch.float64)
-        streak = (self.values[0] + 1) * c  # +1, or back to 0
-        finite_loss = torch.where(loss_bad, 0.0, loss.detach().double())
+        self.values[0].add_(1).mul_(c)  # +1, or back to 0
+        torch.maximum(self.values[4], self.values[0], out=self.values[4])
         ok = (~loss_bad).to(torch.float64)
-        v = self.values
-        self.values.copy_(torch.stack([streak, v[1] + c, v[2] + finite_loss, v[3] + ok, torch.maximum(v[4], streak)]))
+        self.values[1:4].add_(torch.stack([c, torch.where(loss_bad, 0.0, loss.detach().double()), ok]))
 
     def new_epoch(self) -> None:
         self.values[2:4].zero_()

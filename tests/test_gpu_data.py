@@ -387,17 +387,17 @@ def test_crop_resize_row_pass_grouping_changes_no_value(monkeypatch):
     boxes, modes, flips = np.array(boxes), rng.integers(0, 3, len(images)), rng.random(len(images)) < 0.5
     rgb = [k for k, img in enumerate(images) if isinstance(img, torch.Tensor)]
     packed = ga.PackedImages.pack([images[k].cpu() for k in rgb]).to(device)
-    results = {}
-    def one_plane_each(ycbcr: np.ndarray) -> np.ndarray:
-        return np.stack([np.arange(len(ycbcr)), np.ones(len(ycbcr), dtype=np.int64)], axis=1)
-    for grouped in (True, False):  # grouped first: on CUDA its row buffer cannot be one the other call left filled
-        if not grouped:
-            monkeypatch.setattr(cr, "_plane_groups", one_plane_each)
-        results[grouped] = (cr.crop_resize(images, boxes, modes, (23, 17), flips=flips),
-                            cr.crop_resize_packed(packed.pixels, packed.shapes, boxes[rgb], modes[rgb], (23, 17),
-                                                  channels_last=True, flips=flips[rgb]))
-    assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
-    assert torch.equal(results[True][1], results[True][0][rgb])  # and the packed images are those of the list
+
+    def crops() -> tuple[torch.Tensor, torch.Tensor]:
+        return (cr.crop_resize(images, boxes, modes, (23, 17), flips=flips),
+                cr.crop_resize_packed(packed.pixels, packed.shapes, boxes[rgb], modes[rgb], (23, 17),
+                                      channels_last=True, flips=flips[rgb]))
+    grouped = crops()  # first: on CUDA its row buffer cannot be one the other call left filled
+    monkeypatch.setattr(cr, "_plane_groups", lambda ycbcr: np.stack([np.arange(len(ycbcr)),
+                                                                      np.ones(len(ycbcr), dtype=np.int64)], axis=1))
+    one_plane_each = crops()
+    assert all(torch.equal(a, b) for a, b in zip(one_plane_each, grouped))
+    assert torch.equal(grouped[1], grouped[0][rgb])  # and the packed images are those of the list
 
 
 def test_ycbcr_crop_resize_of_a_photo_is_its_rgb_crop():
