@@ -317,6 +317,22 @@ def _report(kernel, cfg: dict) -> None:
         print(f"[flash_window] {kernel.name}: {kernel.n_regs} registers, {kernel.n_spills} spills, {cfg}")
 
 
+def resident_sets(cfg: dict, geo: _Geometry, masked: bool) -> int:
+    """The forward's program sets (programs per head) where each program keeps its bias tile in registers for all its
+    windows (RESIDENT_BIAS), else 0. Windows of one query and one key block, where a program's windows are all of one
+    mask class: a program takes every sets-th window, so sets rounds down to a multiple of the windows per image.
+    Only where a program has 4 windows or more (SWIN_FW_RESIDENT_MIN_WINDOWS): with fewer, the tile's load is not
+    repeated anyway and its registers slowed the later stages (H200, Swin-T stage 1 forward 108 -> 91 us, stage 3
+    33 -> 35 us unshifted; docs/benchmarks.md). SWIN_FW_RESIDENT_BIAS=0: a load per window everywhere."""
+    if cfg["NUM_M"] != 1 or cfg["BLOCK_T"] or _tuning("RESIDENT_BIAS", 1) != 1:
+        return 0
+    per_image = geo.mask_grid[0] * geo.mask_grid[1] if masked else 1
+    sets = cfg["sets"] // per_image * per_image
+    if sets == 0 or geo.total_windows < _tuning("RESIDENT_MIN_WINDOWS", 4) * sets:
+        return 0
+    return sets
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: Strides, out: torch.Tensor,
              so: Strides, heads: int, head_dim: int, bias: torch.Tensor, mask: torch.Tensor | None,
              fill: torch.Tensor | None, geo: _Geometry, table_window: tuple[int, int], scale: float,
@@ -329,10 +345,13 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: St
     untouched, where a written view (or, through wrap_triton's analysis, a read one) costs a copy."""
     cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask is not None, fill, q_scale, False, None)
     pdl = _dependent_launch(q)
+    resident = resident_sets(cfg, geo, mask is not None)
+    cfg = {**cfg, "sets": resident or cfg["sets"]}
     tiles = _bias_tiles(bias, mask, table_window, geo, heads, cfg, keywords, q.dtype, pdl)
     kernel = _launch(window_attn_fwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, out, *so,
                      tiles, fill if fill is not None else tiles, q_scale if q_scale is not None else tiles,
-                     *geo.ints(), head_dim, heads, scale, **keywords, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+                     *geo.ints(), head_dim, heads, scale, **keywords, PDL=pdl,
+                     RESIDENT_BIAS=resident > 0, **({"launch_pdl": True} if pdl else {}))
     _report(kernel, cfg)
     return tiles
 

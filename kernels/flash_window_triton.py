@@ -291,10 +291,12 @@ def window_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_M: tl.constexpr, TILE_ROWS: tl.constexpr, MASKED: tl.constexpr, HAS_FILL: tl.constexpr,
     PRECISION: tl.constexpr, STAGES: tl.constexpr, HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, RESIDENT_BIAS: tl.constexpr,
 ):
     """PDL: launched as a programmatic dependent of bias_tiles_kernel (Hopper): the launch overlaps the tile kernel
-    and the programs wait for its tiles here."""
+    and the programs wait for its tiles here. RESIDENT_BIAS (one query block, one key block, and every window of a
+    program of one mask class: the caller checks, see kernels.flash_window.resident_sets): the program loads its
+    bias tile once and keeps it in registers instead of once per window from L2."""
     if PDL:
         gdc_wait()
     h, first, nsets = _program(NH, HEAD_MINOR)
@@ -309,6 +311,9 @@ def window_attn_fwd_kernel(
     if BLOCK_T > 0:  # keys in two blocks: BLOCK_N (a power of two) and the tail (144 = 128 + 16 for 12x12 windows)
         offs_t = BLOCK_N + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
+    if RESIDENT_BIAS:
+        resident = _bias_tile(tiles_ptr, _mask_class(first, MGH, MGW) if MASKED else 0, h, NH, offs_n, offs_n,
+                              TILE_ROWS, COLS)
     for g in tl.range(first, G, nsets, num_stages=STAGES):
         cls = _mask_class(g, MGH, MGW) if MASKED else 0
         b, sy_n, sx_n, inwin_n, real_n = _tokens(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
@@ -333,7 +338,10 @@ def window_attn_fwd_kernel(
             if COSINE:
                 qf, inv_q = _unit_rows(q)
                 q = (qf * (q_scale * inv_q)[:, None]).to(v.dtype)
-            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, TILE_ROWS, COLS)
+            if RESIDENT_BIAS:
+                bias = resident
+            else:
+                bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, TILE_ROWS, COLS)
             if BLOCK_T > 0:
                 bias_t = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_t, TILE_ROWS, COLS)
                 p, p_t = _softmax_split(q, k, k_t, bias, bias_t, scale, PRECISION)

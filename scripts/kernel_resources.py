@@ -16,6 +16,7 @@ memory; confirm on the device.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -83,6 +84,9 @@ def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool,
                                      cosine, bias_rows)
         if not backward:
             constants["PDL"] = False  # a launch option of eager calls (kernels.flash_window._dependent_launch)
+            # where the launch allows it (kernels.flash_window.resident_sets; SWIN_FW_RESIDENT_BIAS=0: off)
+            constants["RESIDENT_BIAS"] = (cfg["NUM_M"] == 1 and not cfg["BLOCK_T"]
+                                          and os.environ.get("SWIN_FW_RESIDENT_BIAS", "1") == "1")
         signature = _signature(fn, constants, data_ptr)
         # as on the device for Swin shapes: pointers and strides are multiples of 16, head_dim where it is
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)

@@ -132,16 +132,34 @@ def test_table_gradient_sums_each_entrys_token_pairs():
         assert (got.double() - expected).abs().max() < 1e-4, window
 
 
-@pytest.mark.parametrize("sets,head_minor", [("0", "1"), ("1", "1"), ("3", "1"), ("3", "0")])
-def test_window_op_programs_loop_over_windows(sets, head_minor, monkeypatch):
-    """One program per window (0), one looping over all windows (1) and three sharing them, neighbouring programs
-    on the heads of a window or on the windows of a head: same numbers (forward and backward; on the
-    interpreter the knob is programs per head)."""
+@pytest.mark.parametrize("sets,head_minor,resident", [("0", "1", "4"), ("1", "1", "4"), ("3", "1", "4"),
+                                                     ("3", "0", "4"), ("6", "1", "1"), ("9", "0", "1")])
+def test_window_op_programs_loop_over_windows(sets, head_minor, resident, monkeypatch):
+    """One program per window (0), one looping over all windows (1), three sharing them, and six (nine rounded down
+    to six) whose windows are each of one mask class and keep one bias tile (resident: the fewest windows per program
+    for that), neighbouring programs on the heads of a window or on the windows of a head: same numbers (forward and
+    backward; on the interpreter the knob is programs per head)."""
     monkeypatch.setenv("SWIN_FW_PROGRAMS_PER_SM", sets)
     monkeypatch.setenv("SWIN_FW_BWD_PROGRAMS_PER_SM", sets)
     monkeypatch.setenv("SWIN_FW_HEAD_MINOR", head_minor)
     monkeypatch.setenv("SWIN_FW_BWD_HEAD_MINOR", head_minor)
+    monkeypatch.setenv("SWIN_FW_RESIDENT_MIN_WINDOWS", resident)
     check_window_op(2, (2, 3), (4, 4), (2, 2), 2, 16, torch.float32)
+
+
+def test_resident_bias_only_where_a_programs_windows_share_a_class():
+    """A forward program keeps one bias tile for all its windows only where they are all of one mask class: a
+    program takes every sets-th window, so sets rounds down to a multiple of the windows per image; and only where a
+    program has at least 4 windows."""
+    from kernels.flash_window import _Geometry, resident_sets
+    grid = (2, 3)
+    geo = _Geometry(8, (7, 7), (1, 49), grid, (0, 0), grid)  # 48 windows, 6 per image
+    one_block = {"NUM_M": 1, "BLOCK_T": 0}
+    for sets, masked, expected in [(6, True, 6), (11, True, 6), (13, True, 12), (19, True, 0), (5, True, 0),
+                                   (11, False, 11), (13, False, 0), (1, False, 1)]:
+        assert resident_sets({**one_block, "sets": sets}, geo, masked) == expected, (sets, masked)
+    assert resident_sets({"NUM_M": 3, "BLOCK_T": 0, "sets": 6}, geo, masked=False) == 0
+    assert resident_sets({"NUM_M": 1, "BLOCK_T": 16, "sets": 6}, geo, masked=False) == 0
 
 
 def test_four_windows_of_a_grid_stand_for_every_windows_mask():
