@@ -125,6 +125,22 @@ def _key_blocks(window_area: int) -> tuple[int, int]:
     return block_n, 0
 
 
+def _resident_min_windows() -> int:
+    return _tuning("RESIDENT_MIN_WINDOWS", 4)
+
+
+def forward_programs_per_sm(total_windows: int, heads: int, sms: int) -> int:
+    """Forward programs per SM for one-block windows: the most of 32, 16, 8 and 4 that still leave each program
+    _resident_min_windows() windows or more, so that it keeps its bias tile in registers (resident_sets); 32 where
+    none does (few windows: a program's tile load is not repeated anyway). H200, bf16 forward, shifted / unshifted
+    (docs/benchmarks.md): Swin-T stage 2 at 16 per SM 53 / 51 us against 60 / 55 at 32; stage 3 at 8 per SM 33-34 /
+    32-33 against 37.5 / 33; Swin-B stage 2 66 / 64 against 76 / 70; stage 1 stays at 32 (91 / 91 us)."""
+    for per_sm in (32, 16, 8, 4):
+        if total_windows >= _resident_min_windows() * (sms * per_sm // heads):
+            return per_sm
+    return 32
+
+
 def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: int, device: torch.device,
                    backward: bool = False, itemsize: int = 2) -> dict:
     block_n, block_t = _key_blocks(window_area)
@@ -142,11 +158,13 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     # The interpreter (CPU) runs programs one after the other: 4 programs per head (2 with split keys) keep tests
     # quick.
     cuda = device.type == "cuda"
+    sms = _num_sms(device.index or 0) if cuda else 0
     if backward:
         per_sm = _tuning("BWD_PROGRAMS_PER_SM", 2 if block_t else 4)
     else:
-        per_sm = _tuning("PROGRAMS_PER_SM", (32 if num_m == 1 else 0) if cuda else 4)
-    budget = _num_sms(device.index or 0) * per_sm // heads if cuda else per_sm
+        one_block = forward_programs_per_sm(total_windows, heads, sms)
+        per_sm = _tuning("PROGRAMS_PER_SM", (one_block if num_m == 1 else 0) if cuda else 4)
+    budget = sms * per_sm // heads if cuda else per_sm
     sets = total_windows if per_sm == 0 else max(1, min(total_windows, budget))
     # the next windows' loads pipelined through shared memory (one-block windows; H100, bf16, head_dim 32,
     # docs/benchmarks.md): the forward's next window for tiles up to 32 KB (a 128-token fp32 window of head_dim 128
@@ -328,7 +346,7 @@ def resident_sets(cfg: dict, geo: _Geometry, masked: bool) -> int:
         return 0
     per_image = geo.mask_grid[0] * geo.mask_grid[1] if masked else 1
     sets = cfg["sets"] // per_image * per_image
-    if sets == 0 or geo.total_windows < _tuning("RESIDENT_MIN_WINDOWS", 4) * sets:
+    if sets == 0 or geo.total_windows < _resident_min_windows() * sets:
         return 0
     return sets
 

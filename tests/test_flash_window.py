@@ -162,6 +162,23 @@ def test_resident_bias_only_where_a_programs_windows_share_a_class():
     assert resident_sets({"NUM_M": 1, "BLOCK_T": 16, "sets": 6}, geo, masked=False) == 0
 
 
+def test_forward_programs_per_sm_leave_each_program_four_windows():
+    """The forward's programs per SM for one-block windows on a 132-SM GPU (H100, H200) at batch 128: each program
+    gets 4 windows or more where some count allows it (and then keeps its bias tile), else 32."""
+    from kernels.flash_window import _Geometry, forward_programs_per_sm, resident_sets
+    swin_t = {8192: (3, 32), 2048: (6, 16), 512: (12, 8), 128: (24, 4)}
+    swin_b = {8192: (4, 32), 2048: (8, 16), 512: (16, 8), 128: (32, 4)}
+    for stages in (swin_t, swin_b):
+        for windows, (heads, expected) in stages.items():
+            per_sm = forward_programs_per_sm(windows, heads, 132)
+            assert per_sm == expected, (windows, heads)
+            assert windows >= 4 * (132 * per_sm // heads)
+    assert forward_programs_per_sm(512, 3, 132) == 32  # 8 images at stage 1: too few windows for any count
+    grid = (8, 8)  # Swin-B stage 1: 1056 program sets round down to 1024, a multiple of the 64 windows per image
+    assert resident_sets({"NUM_M": 1, "BLOCK_T": 0, "sets": 132 * 32 // 4},
+                         _Geometry(128, (7, 7), (56, 56), grid, (3, 3), grid), masked=True) == 1024
+
+
 def test_four_windows_of_a_grid_stand_for_every_windows_mask():
     """What the bias-tile kernel relies on: the shifted-window mask of every window of a grid equals that of the
     first window of its class (interior: window 0, last column, last row, last window)."""
