@@ -307,6 +307,19 @@ def check_image_op(feat, window, shifted, dtype, dense=False):
 def test_image_op_cosine_matches_reference(feat, window, shifted, dtype):
     """Swin V2's scaled cosine attention normalised in the kernel: output and the gradients of the raw qkv, the
     bias table, the qkv bias (padded tokens) and the per-head scale as float64 math that normalises explicitly."""
+    check_cosine_image_op(feat, window, shifted, dtype)
+
+
+@pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
+def test_image_op_resident_bias_tiles(cosine, monkeypatch):
+    """Forward programs that keep one bias tile for all their windows (9 program sets: each takes the windows at one
+    position of the padded 3x3 window grid, so of one mask class), shifted and padded, V1 and V2 attention."""
+    monkeypatch.setenv("SWIN_FW_PROGRAMS_PER_SM", "9")
+    monkeypatch.setenv("SWIN_FW_RESIDENT_MIN_WINDOWS", "1")
+    (check_cosine_image_op if cosine else check_image_op)((10, 13), (4, 5), True, torch.float32)
+
+
+def check_cosine_image_op(feat, window, shifted, dtype):
     spec, qkv, qkv_bias, table = image_op_inputs(feat, window, shifted, 3, dtype, table_std=2.0)
     cosine_scale = (5 + 10 * torch.rand(3, device=DEVICE)).requires_grad_()
     out = run_image_op(spec, qkv, qkv_bias, table, 1.0, cosine_scale)
