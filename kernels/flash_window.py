@@ -394,7 +394,8 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
     kernel = _launch(window_attn_bwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, do, *sdo, dqkv, sd_t, *sdq,
                      tiles, fill if fill is not None else tiles, partial, dfill if dfill is not None else partial,
                      q_scale if q_scale is not None else tiles, dq_scale if dq_scale is not None else partial,
-                     *geo.ints(), head_dim, heads, scale, **keywords)
+                     *geo.ints(), head_dim, heads, scale, **keywords,
+                     RESIDENT_BIAS=cfg["NUM_M"] == 1 and not cfg["BLOCK_T"] and _tuning("BWD_RESIDENT_BIAS", 0) == 1)
     _report(kernel, cfg)
     return (_bias_grad(partial, bias, table_window), dfill.to(fill.dtype) if dfill is not None else None,
             dq_scale.sum(0).to(q_scale.dtype) if dq_scale is not None else None)

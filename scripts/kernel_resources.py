@@ -84,9 +84,10 @@ def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool,
                                      cosine, bias_rows)
         if not backward:
             constants["PDL"] = False  # a launch option of eager calls (kernels.flash_window._dependent_launch)
-            # where the launch allows it (kernels.flash_window.resident_sets; SWIN_FW_RESIDENT_BIAS=0: off)
-            constants["RESIDENT_BIAS"] = (cfg["NUM_M"] == 1 and not cfg["BLOCK_T"]
-                                          and os.environ.get("SWIN_FW_RESIDENT_BIAS", "1") == "1")
+        # where the launch allows it (kernels.flash_window.resident_sets; SWIN_FW_RESIDENT_BIAS=0: off; the
+        # backward's SWIN_FW_BWD_RESIDENT_BIAS=1: on)
+        knob, default = ("SWIN_FW_BWD_RESIDENT_BIAS", "0") if backward else ("SWIN_FW_RESIDENT_BIAS", "1")
+        constants["RESIDENT_BIAS"] = (cfg["NUM_M"] == 1 and not cfg["BLOCK_T"] and os.environ.get(knob, default) == "1")
         signature = _signature(fn, constants, data_ptr)
         # as on the device for Swin shapes: pointers and strides are multiples of 16, head_dim where it is
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
