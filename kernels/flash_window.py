@@ -125,24 +125,34 @@ def _key_blocks(window_area: int) -> tuple[int, int]:
     return block_n, 0
 
 
-def _resident_min_windows() -> int:
-    return _tuning("RESIDENT_MIN_WINDOWS", 4)
+def resident_sets(sets: int, total_windows: int, windows_per_image: int) -> int:
+    """Program sets (programs per head) for forward programs that keep their bias tile in registers for all their
+    windows, else 0. A program takes every sets-th window, so its windows are all of one mask class where sets is a
+    multiple of the windows per image (1 without a mask): sets rounds down to one. Only where each program then has
+    4 windows or more (SWIN_FW_RESIDENT_MIN_WINDOWS): with fewer the tile's load is hardly repeated, and its 20 more
+    registers slowed the later stages (H200, bf16: Swin-T stage 1 forward 108 -> 91 us, stage 3 unshifted 33 -> 35 us
+    at 1.5 windows per program; docs/benchmarks.md)."""
+    sets = sets // windows_per_image * windows_per_image
+    return sets if sets and total_windows >= _tuning("RESIDENT_MIN_WINDOWS", 4) * sets else 0
 
 
-def forward_programs_per_sm(total_windows: int, heads: int, sms: int) -> int:
-    """Forward programs per SM for one-block windows: the most of 32, 16, 8 and 4 that still leave each program
-    _resident_min_windows() windows or more, so that it keeps its bias tile in registers (resident_sets); 32 where
-    none does (few windows: a program's tile load is not repeated anyway). H200, bf16 forward, shifted / unshifted
-    (docs/benchmarks.md): Swin-T stage 2 at 16 per SM 53 / 51 us against 60 / 55 at 32; stage 3 at 8 per SM 33-34 /
-    32-33 against 37.5 / 33; Swin-B stage 2 66 / 64 against 76 / 70; stage 1 stays at 32 (91 / 91 us)."""
+def resident_forward_sets(total_windows: int, heads: int, sms: int, windows_per_image: int) -> int:
+    """The forward's resident program sets (resident_sets) at the most of 32, 16, 8 and 4 programs per SM that allows
+    them, else 0 (then 32 per SM, each loading the tile per window: small batches, or images of more windows than a
+    launch has programs per head). H200, bf16 forward, shifted / unshifted (docs/benchmarks.md): Swin-T stage 2 at
+    16 per SM 53 / 51 us against 60 / 55 at 32; stage 3 at 8 per SM 33-34 / 32-33 against 37.5 / 33; Swin-B stage
+    2 at 16 per SM 66 / 64 against 76 / 69; stage 1 stays at 32 (91 / 90 us)."""
     for per_sm in (32, 16, 8, 4):
-        if total_windows >= _resident_min_windows() * (sms * per_sm // heads):
-            return per_sm
-    return 32
+        sets = resident_sets(max(1, min(total_windows, sms * per_sm // heads)), total_windows, windows_per_image)
+        if sets:
+            return sets
+    return 0
 
 
 def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: int, device: torch.device,
-                   backward: bool = False, itemsize: int = 2) -> dict:
+                   backward: bool = False, itemsize: int = 2, windows_per_image: int = 1) -> dict:
+    """Launch parameters of one kernel (the constexprs among them in capitals). windows_per_image: of the mask grid
+    (1 without a mask), for the forward's resident bias tiles (resident_sets)."""
     block_n, block_t = _key_blocks(window_area)
     # windows of up to 64 tokens are one query block. Larger ones take 16-row query blocks: with 32 or 64 rows the
     # (rows, 128 or 256) score tiles spill registers or overflow shared memory; except the 16-bit forward of split
@@ -151,8 +161,9 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     block_m = min(block_n, _tuning("BWD_BLOCK_M" if backward else "BLOCK_M", block_m))
     num_m = triton.cdiv(window_area, block_m)
     assert num_m > 1 or not block_t, "split keys need query blocks of their own (the one-block path reuses the keys)"
-    # forward, one-block windows: 32 programs per SM, each looping over windows with the next windows' loads
-    # pipelined (STAGES below); several query blocks: one program per window and head (0). Backward: 4 programs
+    # forward, one-block windows: programs that each loop over windows with the next windows' loads pipelined
+    # (STAGES below), 32 per SM, or fewer where each then keeps its bias tile in registers (resident_forward_sets;
+    # 16-bit tiles, as measured); several query blocks: one program per window and head (0). Backward: 4 programs
     # per SM (2 for split keys), each looping over windows, as each writes a bias-gradient tile that
     # bias_grad_sum_kernel sums (H100, bf16 with head_dim 32, scripts/tune_flash_window.py, docs/benchmarks.md).
     # The interpreter (CPU) runs programs one after the other: 4 programs per head (2 with split keys) keep tests
@@ -162,10 +173,20 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     if backward:
         per_sm = _tuning("BWD_PROGRAMS_PER_SM", 2 if block_t else 4)
     else:
-        one_block = forward_programs_per_sm(total_windows, heads, sms)
-        per_sm = _tuning("PROGRAMS_PER_SM", (one_block if num_m == 1 else 0) if cuda else 4)
+        per_sm = _tuning("PROGRAMS_PER_SM", (32 if num_m == 1 else 0) if cuda else 4)
     budget = sms * per_sm // heads if cuda else per_sm
     sets = total_windows if per_sm == 0 else max(1, min(total_windows, budget))
+    one_block = num_m == 1 and not block_t
+    if backward:  # the backward keeps its tile across windows only on request (not yet timed on the GPU)
+        resident = one_block and _tuning("BWD_RESIDENT_BIAS", 0) == 1
+    elif one_block and itemsize == 2 and _tuning("HALF_BIAS", 1) == 1 and _tuning("RESIDENT_BIAS", 1) == 1:
+        # a programs-per-SM knob (or the interpreter's 4 per head) keeps its sets, rounded where that allows it
+        chosen = "SWIN_FW_PROGRAMS_PER_SM" in os.environ or not cuda
+        resident_at = (resident_sets(sets, total_windows, windows_per_image) if chosen else
+                       resident_forward_sets(total_windows, heads, sms, windows_per_image))
+        resident, sets = resident_at > 0, resident_at or sets
+    else:
+        resident = False
     # the next windows' loads pipelined through shared memory (one-block windows; H100, bf16, head_dim 32,
     # docs/benchmarks.md): the forward's next window for tiles up to 32 KB (a 128-token fp32 window of head_dim 128
     # would need 311 KB of shared memory), the next two for tiles up to 8 KB where a program has 4 windows or more
@@ -190,7 +211,7 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
                 # of eager calls (not passed where torch.compile traces the op, see kernels.ops.eager_launch)
                 maxnreg=_tuning("BWD_MAXNREG" if backward else "MAXNREG", 0),
                 STAGES=_tuning("BWD_STAGES" if backward else "STAGES", stages),
-                HEAD_MINOR=_tuning("BWD_HEAD_MINOR" if backward else "HEAD_MINOR", 1))
+                HEAD_MINOR=_tuning("BWD_HEAD_MINOR" if backward else "HEAD_MINOR", 1), RESIDENT_BIAS=resident)
 
 
 def kernel_constants(cfg: dict, window: tuple[int, int], masked: bool, has_fill: bool, dtype: torch.dtype,
@@ -252,7 +273,8 @@ def _launch_plan(x: torch.Tensor, heads: int, head_dim: int, geo: _Geometry, mas
     """(launch config, the kernels' constexpr and launch keywords) for one call on data like x, whose bias tiles
     have `rows` rows (None: the forward, which makes them, sizes them with tile_rows)."""
     cfg = _launch_config(geo.total_windows, heads, geo.area, head_dim, x.device, backward=backward,
-                         itemsize=x.element_size())
+                         itemsize=x.element_size(),
+                         windows_per_image=geo.mask_grid[0] * geo.mask_grid[1] if masked else 1)
     if rows is None:
         rows = tile_rows(geo.total_windows, heads, geo.area, head_dim, x.device, x.element_size(), forward=cfg)
     keywords = kernel_constants(cfg, geo.window, masked, fill is not None, x.dtype, q_scale is not None, rows)
@@ -273,9 +295,10 @@ def tile_rows(total_windows: int, heads: int, window_area: int, head_dim: int, d
 
 def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
     """The bias tiles' dtype: a half-precision input's own dtype (what timm's SDPA path adds: its bias-plus-mask
-    tensor is cast to the query's dtype), fp32 for fp32 inputs or with SWIN_FW_HALF_BIAS=0. Every program reads its
-    head's tile once per window (L2 hits, but 16 KB per 7x7 window and head in fp32, more than the window's q, k, v,
-    o): half tiles made forward+backward 5-10% faster at every measured shape (H100, docs/benchmarks.md)."""
+    tensor is cast to the query's dtype), fp32 for fp32 inputs or with SWIN_FW_HALF_BIAS=0. Programs read their
+    head's tile once per window, except resident ones (L2 hits, but 16 KB per 7x7 window and head in fp32, more than
+    the window's q, k, v, o): half tiles made forward+backward 5-10% faster at every measured shape (H100,
+    docs/benchmarks.md)."""
     half = x_dtype in (torch.float16, torch.bfloat16) and _tuning("HALF_BIAS", 1)
     return x_dtype if half else torch.float32
 
@@ -335,22 +358,6 @@ def _report(kernel, cfg: dict) -> None:
         print(f"[flash_window] {kernel.name}: {kernel.n_regs} registers, {kernel.n_spills} spills, {cfg}")
 
 
-def resident_sets(cfg: dict, geo: _Geometry, masked: bool) -> int:
-    """The forward's program sets (programs per head) where each program keeps its bias tile in registers for all its
-    windows (RESIDENT_BIAS), else 0. Windows of one query and one key block, where a program's windows are all of one
-    mask class: a program takes every sets-th window, so sets rounds down to a multiple of the windows per image.
-    Only where a program has 4 windows or more (SWIN_FW_RESIDENT_MIN_WINDOWS): with fewer, the tile's load is not
-    repeated anyway and its registers slowed the later stages (H200, Swin-T stage 1 forward 108 -> 91 us, stage 3
-    33 -> 35 us unshifted; docs/benchmarks.md). SWIN_FW_RESIDENT_BIAS=0: a load per window everywhere."""
-    if cfg["NUM_M"] != 1 or cfg["BLOCK_T"] or _tuning("RESIDENT_BIAS", 1) != 1:
-        return 0
-    per_image = geo.mask_grid[0] * geo.mask_grid[1] if masked else 1
-    sets = cfg["sets"] // per_image * per_image
-    if sets == 0 or geo.total_windows < _resident_min_windows() * sets:
-        return 0
-    return sets
-
-
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: Strides, out: torch.Tensor,
              so: Strides, heads: int, head_dim: int, bias: torch.Tensor, mask: torch.Tensor | None,
              fill: torch.Tensor | None, geo: _Geometry, table_window: tuple[int, int], scale: float,
@@ -363,13 +370,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: St
     untouched, where a written view (or, through wrap_triton's analysis, a read one) costs a copy."""
     cfg, keywords = _launch_plan(q, heads, head_dim, geo, mask is not None, fill, q_scale, False, None)
     pdl = _dependent_launch(q)
-    resident = resident_sets(cfg, geo, mask is not None)
-    cfg = {**cfg, "sets": resident or cfg["sets"]}
     tiles = _bias_tiles(bias, mask, table_window, geo, heads, cfg, keywords, q.dtype, pdl)
     kernel = _launch(window_attn_fwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, out, *so,
                      tiles, fill if fill is not None else tiles, q_scale if q_scale is not None else tiles,
-                     *geo.ints(), head_dim, heads, scale, **keywords, PDL=pdl,
-                     RESIDENT_BIAS=resident > 0, **({"launch_pdl": True} if pdl else {}))
+                     *geo.ints(), head_dim, heads, scale, **keywords, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     _report(kernel, cfg)
     return tiles
 
@@ -394,8 +398,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
     kernel = _launch(window_attn_bwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, do, *sdo, dqkv, sd_t, *sdq,
                      tiles, fill if fill is not None else tiles, partial, dfill if dfill is not None else partial,
                      q_scale if q_scale is not None else tiles, dq_scale if dq_scale is not None else partial,
-                     *geo.ints(), head_dim, heads, scale, **keywords,
-                     RESIDENT_BIAS=cfg["NUM_M"] == 1 and not cfg["BLOCK_T"] and _tuning("BWD_RESIDENT_BIAS", 0) == 1)
+                     *geo.ints(), head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
     return (_bias_grad(partial, bias, table_window), dfill.to(fill.dtype) if dfill is not None else None,
             dq_scale.sum(0).to(q_scale.dtype) if dq_scale is not None else None)

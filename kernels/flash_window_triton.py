@@ -12,8 +12,9 @@ B is the (heads, L, L) bias (gathered from Swin's relative position table, or gi
 of the window's class: Swin's shifted-window mask depends only on whether a window lies in the last row and/or the
 last column of its image's window grid, so four (L, L) masks cover it. bias_tiles_kernel adds them into one padded
 tile per (class, head) (in the input's half dtype, fp32 for fp32 inputs or with the HALF_BIAS=0 knob); the attention
-kernels pick the class from the window's grid position and load its tile (L2-resident): no per-element region
-arithmetic, and a shifted block costs about what an unshifted one does. The backward reads the forward's tiles.
+kernels pick the class from the window's grid position and load its tile (from L2; a forward program whose windows
+are all of one class loads it once and keeps it in registers, RESIDENT_BIAS): no per-element region arithmetic, and
+a shifted block costs about what an unshifted one does. The backward reads the forward's tiles.
 
 Windows of several query blocks take their keys in two blocks where that pads less than one power-of-two tile
 (BLOCK_T > 0): 144 tokens (12x12) as 128 + 16 keys, not 256 (of which 112 were padding in every product, exp and
@@ -24,7 +25,7 @@ the head's scale exp(clamped logit scale), read from a (heads,) fp32 vector; the
 The backward turns the gradients of the normalised q and k into those of the raw ones on chip and sums the scale's
 gradient per program (a (programs,) buffer the caller sums), so the normalisation moves no bytes of its own.
 
-Programs take one head and a strided set of windows each (one window each in the forward by default).
+Programs take one head and a strided set of windows each (one window each in the forward of several query blocks).
 The backward sums the bias gradient of its windows on chip and writes it once per program (a small
 (programs, heads, rows, BLOCK_N + BLOCK_T) buffer): bias_grad_sum_kernel sums it over programs and
 bias_table_grad_kernel each table entry's token pairs, in a fixed order (no atomics per window and element).
@@ -312,6 +313,7 @@ def window_attn_fwd_kernel(
         offs_t = BLOCK_N + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     if RESIDENT_BIAS:
+        tl.static_assert(NUM_M == 1 and BLOCK_T == 0, "a resident bias tile is one query and one key block")
         resident = _bias_tile(tiles_ptr, _mask_class(first, MGH, MGW) if MASKED else 0, h, NH, offs_n, offs_n,
                               TILE_ROWS, COLS)
     for g in tl.range(first, G, nsets, num_stages=STAGES):
@@ -387,6 +389,7 @@ def window_attn_bwd_kernel(
         offs_t = BLOCK_N + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     if RESIDENT_BIAS:
+        tl.static_assert(NUM_M == 1 and BLOCK_T == 0, "a resident bias tile is one query and one key block")
         resident_cls = _mask_class(first, MGH, MGW) if MASKED else 0
         resident = _bias_tile(tiles_ptr, resident_cls, h, NH, offs_n, offs_n, TILE_ROWS, COLS)
     # this program's (rows, COLS) slice of the bias-gradient buffer

@@ -16,7 +16,6 @@ memory; confirm on the device.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -84,27 +83,33 @@ def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool,
                                      cosine, bias_rows)
         if not backward:
             constants["PDL"] = False  # a launch option of eager calls (kernels.flash_window._dependent_launch)
-        # where the launch allows it (kernels.flash_window.resident_sets; SWIN_FW_RESIDENT_BIAS=0: off; the
-        # backward's SWIN_FW_BWD_RESIDENT_BIAS=1: on)
-        knob, default = ("SWIN_FW_BWD_RESIDENT_BIAS", "0") if backward else ("SWIN_FW_RESIDENT_BIAS", "1")
-        constants["RESIDENT_BIAS"] = (cfg["NUM_M"] == 1 and not cfg["BLOCK_T"] and os.environ.get(knob, default) == "1")
-        signature = _signature(fn, constants, data_ptr)
-        # as on the device for Swin shapes: pointers and strides are multiples of 16, head_dim where it is
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                 if name in signature and signature[name] != "constexpr"
-                 and (name.endswith("_ptr") or re.fullmatch(r"s[a-z]*_[bxyht]", name)
-                      or (name == "HD" and head_dim % 16 == 0))}
-        source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                                  options=dict(num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"] or None))
-        shared = compiled.metadata.shared
-        rows.append(dict(window=list(window), head_dim=head_dim, dtype=dtype,
-                         kernel=("bwd" if backward else "fwd") + (" cosine" if cosine else ""),
-                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_T=cfg["BLOCK_T"], warps=cfg["num_warps"],
-                         stages=cfg["STAGES"], precision=constants["PRECISION"], shared=shared,
-                         fits=shared <= HOPPER_SHARED_LIMIT,
-                         **_ptxas_resources(compiled.asm["ptx"], f"sm_{capability}a")))
+        # the forward both ways where its tile may stay in registers: launches with fewer windows per program load it
+        # per window, which takes more shared memory (SWIN_FW_BWD_RESIDENT_BIAS=1: the backward's variant)
+        variants = [False, True] if constants["RESIDENT_BIAS"] and not backward else [constants["RESIDENT_BIAS"]]
+        for resident in variants:
+            rows.append(_compiled(fn, backward, cosine, {**constants, "RESIDENT_BIAS": resident}, cfg, window,
+                                  head_dim, dtype, data_ptr, capability))
     return rows
+
+
+def _compiled(fn, backward: bool, cosine: bool, constants: dict, cfg: dict, window: tuple[int, int], head_dim: int,
+              dtype: str, data_ptr: str, capability: int) -> dict:
+    signature = _signature(fn, constants, data_ptr)
+    # as on the device for Swin shapes: pointers and strides are multiples of 16, head_dim where it is
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name in signature and signature[name] != "constexpr"
+             and (name.endswith("_ptr") or re.fullmatch(r"s[a-z]*_[bxyht]", name)
+                  or (name == "HD" and head_dim % 16 == 0))}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                              options=dict(num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"] or None))
+    shared = compiled.metadata.shared
+    kernel = ("bwd" if backward else "fwd") + (" cosine" if cosine else "") + (" resident" if constants["RESIDENT_BIAS"]
+                                                                                 else "")
+    return dict(window=list(window), head_dim=head_dim, dtype=dtype, kernel=kernel,
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_T=cfg["BLOCK_T"], warps=cfg["num_warps"],
+                stages=cfg["STAGES"], precision=constants["PRECISION"], shared=shared,
+                fits=shared <= HOPPER_SHARED_LIMIT, **_ptxas_resources(compiled.asm["ptx"], f"sm_{capability}a"))
 
 
 def describe(r: dict) -> str:

@@ -153,33 +153,37 @@ def test_window_op_programs_loop_over_windows(sets, head_minor, resident, bwd_re
 def test_resident_bias_only_where_a_programs_windows_share_a_class():
     """A forward program keeps one bias tile for all its windows only where they are all of one mask class: a
     program takes every sets-th window, so sets rounds down to a multiple of the windows per image; and only where a
-    program has at least 4 windows."""
-    from kernels.flash_window import _Geometry, resident_sets
-    grid = (2, 3)
-    geo = _Geometry(8, (7, 7), (1, 49), grid, (0, 0), grid)  # 48 windows, 6 per image
-    one_block = {"NUM_M": 1, "BLOCK_T": 0}
-    for sets, masked, expected in [(6, True, 6), (11, True, 6), (13, True, 12), (19, True, 0), (5, True, 0),
-                                   (11, False, 11), (13, False, 0), (1, False, 1)]:
-        assert resident_sets({**one_block, "sets": sets}, geo, masked) == expected, (sets, masked)
-    assert resident_sets({"NUM_M": 3, "BLOCK_T": 0, "sets": 6}, geo, masked=False) == 0
-    assert resident_sets({"NUM_M": 1, "BLOCK_T": 16, "sets": 6}, geo, masked=False) == 0
+    program has at least 4 windows. Launch configs: 16-bit one-block windows only (fp32 tiles take 32 registers)."""
+    from kernels.flash_window import _launch_config, resident_sets
+    for sets, per_image, expected in [(6, 6, 6), (11, 6, 6), (13, 6, 12), (19, 6, 0), (5, 6, 0), (11, 1, 11),
+                                      (13, 1, 0), (1, 1, 1)]:
+        assert resident_sets(sets, 48, per_image) == expected, (sets, per_image)
+    cpu = torch.device("cpu")
+    assert _launch_config(64, 2, 49, 32, cpu, itemsize=2, windows_per_image=4)["RESIDENT_BIAS"]
+    assert _launch_config(64, 2, 49, 32, cpu, itemsize=2, windows_per_image=8)["sets"] == 4  # 4 sets: none of 8
+    assert not _launch_config(64, 2, 49, 32, cpu, itemsize=2, windows_per_image=8)["RESIDENT_BIAS"]
+    assert not _launch_config(64, 2, 49, 32, cpu, itemsize=4)["RESIDENT_BIAS"]
+    assert not _launch_config(64, 2, 144, 32, cpu, itemsize=2)["RESIDENT_BIAS"]  # query blocks, split keys
+    assert not _launch_config(64, 2, 49, 32, cpu, itemsize=2, backward=True)["RESIDENT_BIAS"]  # the backward: a knob
 
 
 def test_forward_programs_per_sm_leave_each_program_four_windows():
-    """The forward's programs per SM for one-block windows on a 132-SM GPU (H100, H200) at batch 128: each program
-    gets 4 windows or more where some count allows it (and then keeps its bias tile), else 32."""
-    from kernels.flash_window import _Geometry, forward_programs_per_sm, resident_sets
-    swin_t = {8192: (3, 32), 2048: (6, 16), 512: (12, 8), 128: (24, 4)}
-    swin_b = {8192: (4, 32), 2048: (8, 16), 512: (16, 8), 128: (32, 4)}
-    for stages in (swin_t, swin_b):
-        for windows, (heads, expected) in stages.items():
-            per_sm = forward_programs_per_sm(windows, heads, 132)
-            assert per_sm == expected, (windows, heads)
-            assert windows >= 4 * (132 * per_sm // heads)
-    assert forward_programs_per_sm(512, 3, 132) == 32  # 8 images at stage 1: too few windows for any count
-    grid = (8, 8)  # Swin-B stage 1: 1056 program sets round down to 1024, a multiple of the 64 windows per image
-    assert resident_sets({"NUM_M": 1, "BLOCK_T": 0, "sets": 132 * 32 // 4},
-                         _Geometry(128, (7, 7), (56, 56), grid, (3, 3), grid), masked=True) == 1024
+    """The forward's resident program sets on a 132-SM GPU (H100, H200) at batch 128: the most of 32, 16, 8 and 4
+    programs per SM that leave each program 4 windows or more, all of one mask class; none (then 32 per SM, tiles
+    loaded per window) where no count allows it."""
+    from kernels.flash_window import resident_forward_sets
+    # (windows, heads, windows per image of a shifted block) -> (programs per SM, sets)
+    cases = {"swin_t 1": (8192, 3, 64, 1408), "swin_t 2": (2048, 6, 16, 352), "swin_t 3": (512, 12, 4, 88),
+             "swin_t 4": (128, 24, 1, 22), "swin_b 1": (8192, 4, 64, 1024), "swin_b 2": (2048, 8, 16, 256),
+             "swin_b 3": (512, 16, 4, 64), "swin_b 4": (128, 32, 1, 16)}
+    for name, (windows, heads, per_image, sets) in cases.items():
+        assert resident_forward_sets(windows, heads, 132, per_image) == sets, name
+    assert resident_forward_sets(512, 3, 132, 64) == 128  # 8 images at stage 1: 4 per SM, 4 windows each
+    assert resident_forward_sets(128, 3, 132, 64) == 0  # 2 images: too few windows for any count
+    # detection-sized images (800x1333 at stage 1: a 29x48 window grid) of a shifted block: no count gives sets that
+    # are a multiple of the 1392 windows per image
+    assert resident_forward_sets(2 * 1392, 3, 132, 1392) == 0
+    assert resident_forward_sets(2 * 1392, 3, 132, 1) == 352  # unshifted: 8 per SM
 
 
 def test_four_windows_of_a_grid_stand_for_every_windows_mask():
@@ -321,7 +325,18 @@ def test_image_op_resident_bias_tiles(cosine, monkeypatch):
     monkeypatch.setenv("SWIN_FW_PROGRAMS_PER_SM", "9")
     monkeypatch.setenv("SWIN_FW_RESIDENT_MIN_WINDOWS", "1")
     monkeypatch.setenv("SWIN_FW_BWD_RESIDENT_BIAS", "1")
-    (check_cosine_image_op if cosine else check_image_op)((10, 13), (4, 5), True, torch.float32)
+    import kernels.flash_window as fw
+    launched = {}
+
+    def record(kernel, grid, *args, **constants):
+        launched[kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)] = constants.get("RESIDENT_BIAS")
+        return launch(kernel, grid, *args, **constants)
+
+    launch = fw._launch
+    monkeypatch.setattr(fw, "_launch", record)
+    (check_cosine_image_op if cosine else check_image_op)((10, 13), (4, 5), True, torch.float16)
+    assert launched == {"bias_tiles_kernel": None, "window_attn_fwd_kernel": True, "window_attn_bwd_kernel": True,
+                        "bias_grad_sum_kernel": None, "bias_table_grad_kernel": None}
 
 
 def check_cosine_image_op(feat, window, shifted, dtype):
@@ -497,7 +512,9 @@ def test_kernels_fit_in_hopper_shared_memory():
                           cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(rows) == 2 * len(_HOPPER_CASES)
+    # each case's forward and backward, plus the forward with a resident bias tile where the launch may keep one
+    assert len([r for r in rows if not r["kernel"].endswith("resident")]) == 2 * len(_HOPPER_CASES)
+    assert any(r["kernel"] == "fwd resident" for r in rows)
     too_big = [(r["window"], r["head_dim"], r["dtype"], r["kernel"], r["shared"]) for r in rows if not r["fits"]]
     assert not too_big, too_big
     assert all(r["shared"] > 0 for r in rows)
@@ -701,8 +718,12 @@ def test_gpu_image_op_split_keys_bf16(shifted):
 
 
 @pytest.mark.gpu
-def test_gpu_many_windows():
-    """More than 65,535 windows x heads: the grid loops over windows."""
+@pytest.mark.parametrize("bwd_resident", ["0", "1"])
+def test_gpu_many_windows(bwd_resident, monkeypatch):
+    """More than 65,535 windows x heads: the grid loops over windows (forward programs keeping their bias tile, of
+    25-26 windows each on 132 SMs; with bwd_resident the backward's kept across windows, reloaded where the class
+    changes)."""
+    monkeypatch.setenv("SWIN_FW_BWD_RESIDENT_BIAS", bwd_resident)
     check_window_op(256, (8, 8), (7, 7), (3, 3), 6, 32, torch.bfloat16, "cuda")
 
 
