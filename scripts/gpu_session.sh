@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call per stage (each fits the device tool's 10-minute limit); results go to $OUT.
 #   bash scripts/gpu_session.sh tests     # GPU tests of the kernels and the compiled model (bf16 included)
-#   bash scripts/gpu_session.sh kernel    # launch sweep (SWIN_FW_* knobs), then the attention benchmark of every
-#                                         # stage shape (KERNEL_DTYPES="bf16 fp32"; the paper's kernel from .paper/)
+#   bash scripts/gpu_session.sh kernel    # launch sweep (SWIN_FW_* knobs; TUNE_ARGS: its arguments), then the attention
+#                                         # benchmark of every stage shape (KERNEL_DTYPES="bf16 fp32"; the paper's
+#                                         # kernel from .paper/: carry it)
 #   bash scripts/gpu_session.sh e2e       # Swin-T end to end: grid=compiled (CUDA graphs and default mode) with the breakdown
 #                                         # (E2E_GRID=autotune: max-autotune against reduce-overhead;
 #                                         # E2E_GRID=fused_gelu: inference with and without the GELU epilogue)
@@ -96,7 +97,9 @@ case "${1:-}" in
   kernel)
     # the paper's kernel (github.com/zzd1992/FlashWindowAttention) is a row where it is carried in .paper/
     export FWA_PAPER_PATH=$PWD/.paper
-    python scripts/tune_flash_window.py --profile --shapes swin_t_stage1 swin_t_stage2 swin_t_stage4 swin_b384_stage1 \
+    # TUNE_ARGS: the sweep's shapes and configs (e.g. --shapes swin_t_stage1 swin_t_stage3 --config "" --config
+    # BWD_RESIDENT_BIAS=1)
+    eval "python scripts/tune_flash_window.py --profile ${TUNE_ARGS:---shapes swin_t_stage1 swin_t_stage2 swin_t_stage4 swin_b384_stage1}" \
       2>&1 | tee "$OUT/tune.txt"
     python scripts/bench_attention.py --preset stages --dtype ${KERNEL_DTYPES:-bf16} --backends sdpa flash_window paper \
       --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.txt" ;;
