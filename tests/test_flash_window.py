@@ -326,13 +326,12 @@ def test_image_op_resident_bias_tiles(cosine, monkeypatch):
     monkeypatch.setenv("SWIN_FW_RESIDENT_MIN_WINDOWS", "1")
     monkeypatch.setenv("SWIN_FW_BWD_RESIDENT_BIAS", "1")
     import kernels.flash_window as fw
-    launched = {}
+    launch, launched = fw._launch, {}
 
     def record(kernel, grid, *args, **constants):
         launched[kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)] = constants.get("RESIDENT_BIAS")
         return launch(kernel, grid, *args, **constants)
 
-    launch = fw._launch
     monkeypatch.setattr(fw, "_launch", record)
     (check_cosine_image_op if cosine else check_image_op)((10, 13), (4, 5), True, torch.float16)
     assert launched == {"bias_tiles_kernel": None, "window_attn_fwd_kernel": True, "window_attn_bwd_kernel": True,
