@@ -176,17 +176,14 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
         per_sm = _tuning("PROGRAMS_PER_SM", (32 if num_m == 1 else 0) if cuda else 4)
     budget = sms * per_sm // heads if cuda else per_sm
     sets = total_windows if per_sm == 0 else max(1, min(total_windows, budget))
-    one_block = num_m == 1 and not block_t
-    if backward:  # the backward keeps its tile across windows only on request (not yet timed on the GPU)
-        resident = one_block and _tuning("BWD_RESIDENT_BIAS", 0) == 1
-    elif one_block and itemsize == 2 and _tuning("HALF_BIAS", 1) == 1 and _tuning("RESIDENT_BIAS", 1) == 1:
+    resident = False  # the backward reads its tile per window (see window_attn_bwd_kernel)
+    if (not backward and num_m == 1 and not block_t and itemsize == 2 and _tuning("HALF_BIAS", 1) == 1
+            and _tuning("RESIDENT_BIAS", 1) == 1):
         # a programs-per-SM knob (or the interpreter's 4 per head) keeps its sets, rounded where that allows it
         chosen = "SWIN_FW_PROGRAMS_PER_SM" in os.environ or not cuda
         resident_at = (resident_sets(sets, total_windows, windows_per_image) if chosen else
                        resident_forward_sets(total_windows, heads, sms, windows_per_image))
         resident, sets = resident_at > 0, resident_at or sets
-    else:
-        resident = False
     # the next windows' loads pipelined through shared memory (one-block windows; H100, bf16, head_dim 32,
     # docs/benchmarks.md): the forward's next window for tiles up to 32 KB (a 128-token fp32 window of head_dim 128
     # would need 311 KB of shared memory), the next two for tiles up to 8 KB where a program has 4 windows or more
@@ -211,7 +208,8 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
                 # of eager calls (not passed where torch.compile traces the op, see kernels.ops.eager_launch)
                 maxnreg=_tuning("BWD_MAXNREG" if backward else "MAXNREG", 0),
                 STAGES=_tuning("BWD_STAGES" if backward else "STAGES", stages),
-                HEAD_MINOR=_tuning("BWD_HEAD_MINOR" if backward else "HEAD_MINOR", 1), RESIDENT_BIAS=resident)
+                HEAD_MINOR=_tuning("BWD_HEAD_MINOR" if backward else "HEAD_MINOR", 1),
+                **({} if backward else {"RESIDENT_BIAS": resident}))
 
 
 def kernel_constants(cfg: dict, window: tuple[int, int], masked: bool, has_fill: bool, dtype: torch.dtype,

@@ -366,10 +366,9 @@ def window_attn_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_M: tl.constexpr, TILE_ROWS: tl.constexpr, MASKED: tl.constexpr, HAS_FILL: tl.constexpr,
     PRECISION: tl.constexpr, STAGES: tl.constexpr, HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
-    RESIDENT_BIAS: tl.constexpr,
 ):
-    """RESIDENT_BIAS (one query block, one key block): the program keeps its bias tile in registers and loads it again
-    only where the window's mask class differs from the last window's, instead of once per window from L2."""
+    """Every window's bias tile comes from L2: kept in registers across windows (as the forward does) it cost 20
+    more registers and made the kernel 24% slower (H100, docs/benchmarks.md)."""
     h, first, nsets = _program(NH, HEAD_MINOR)
     scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
     if COSINE:
@@ -388,10 +387,6 @@ def window_attn_bwd_kernel(
     if BLOCK_T > 0:  # keys in two blocks: BLOCK_N (a power of two) and the tail (144 = 128 + 16 for 12x12 windows)
         offs_t = BLOCK_N + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
-    if RESIDENT_BIAS:
-        tl.static_assert(NUM_M == 1 and BLOCK_T == 0, "a resident bias tile is one query and one key block")
-        resident_cls = _mask_class(first, MGH, MGW) if MASKED else 0
-        resident = _bias_tile(tiles_ptr, resident_cls, h, NH, offs_n, offs_n, TILE_ROWS, COLS)
     # this program's (rows, COLS) slice of the bias-gradient buffer
     dbias_base = dbias_ptr + (first * NH + h).to(tl.int64) * (NUM_M * BLOCK_M * COLS)
     if NUM_M == 1:
@@ -431,14 +426,7 @@ def window_attn_bwd_kernel(
                 qf, inv_q = _unit_rows(q)
                 q = (qf * (q_scale * inv_q)[:, None]).to(v.dtype)
             do = tl.load(do_img + _offsets(sy, sx, sdo_y, sdo_x, h, sdo_h, offs_d), mask=io_m, other=0.0)
-            if RESIDENT_BIAS:
-                if MASKED:
-                    if cls != resident_cls:
-                        resident = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, TILE_ROWS, COLS)
-                        resident_cls = cls
-                bias = resident
-            else:
-                bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, TILE_ROWS, COLS)
+            bias = _bias_tile(tiles_ptr, cls, h, NH, offs_m, offs_n, TILE_ROWS, COLS)
             if NUM_M > 1:  # the program's running bias-gradient rows, loaded early to hide the latency; only the
                 # real (L, L) part: past it ds is 0, and the padded columns would be 44% of a 144-token tile
                 dbias_ptrs = dbias_base + offs_m[:, None] * COLS + offs_n[None, :]

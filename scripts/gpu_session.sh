@@ -98,7 +98,7 @@ case "${1:-}" in
     # the paper's kernel (github.com/zzd1992/FlashWindowAttention) is a row where it is carried in .paper/
     export FWA_PAPER_PATH=$PWD/.paper
     # TUNE_ARGS: the sweep's shapes and configs (e.g. --shapes swin_t_stage1 swin_t_stage3 --config "" --config
-    # BWD_RESIDENT_BIAS=1)
+    # BWD_STAGES=2)
     eval "python scripts/tune_flash_window.py --profile ${TUNE_ARGS:---shapes swin_t_stage1 swin_t_stage2 swin_t_stage4 swin_b384_stage1}" \
       2>&1 | tee "$OUT/tune.txt"
     python scripts/bench_attention.py --preset stages --dtype ${KERNEL_DTYPES:-bf16} --backends sdpa flash_window paper \

@@ -84,11 +84,11 @@ def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool,
         if not backward:
             constants["PDL"] = False  # a launch option of eager calls (kernels.flash_window._dependent_launch)
         # the forward both ways where its tile may stay in registers: launches with fewer windows per program load it
-        # per window, which takes more shared memory (SWIN_FW_BWD_RESIDENT_BIAS=1: the backward's variant)
-        variants = [False, True] if constants["RESIDENT_BIAS"] and not backward else [constants["RESIDENT_BIAS"]]
-        for resident in variants:
-            rows.append(_compiled(fn, backward, cosine, {**constants, "RESIDENT_BIAS": resident}, cfg, window,
-                                  head_dim, dtype, data_ptr, capability))
+        # per window, which takes more shared memory
+        variants = [{"RESIDENT_BIAS": False}, {"RESIDENT_BIAS": True}] if constants.get("RESIDENT_BIAS") else [{}]
+        for variant in variants:
+            rows.append(_compiled(fn, backward, cosine, {**constants, **variant}, cfg, window, head_dim, dtype,
+                                  data_ptr, capability))
     return rows
 
 
@@ -104,8 +104,8 @@ def _compiled(fn, backward: bool, cosine: bool, constants: dict, cfg: dict, wind
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                               options=dict(num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"] or None))
     shared = compiled.metadata.shared
-    kernel = ("bwd" if backward else "fwd") + (" cosine" if cosine else "") + (" resident" if constants["RESIDENT_BIAS"]
-                                                                                 else "")
+    resident = " resident" if constants.get("RESIDENT_BIAS") else ""
+    kernel = ("bwd" if backward else "fwd") + (" cosine" if cosine else "") + resident
     return dict(window=list(window), head_dim=head_dim, dtype=dtype, kernel=kernel,
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_T=cfg["BLOCK_T"], warps=cfg["num_warps"],
                 stages=cfg["STAGES"], precision=constants["PRECISION"], shared=shared,

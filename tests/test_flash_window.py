@@ -132,21 +132,18 @@ def test_table_gradient_sums_each_entrys_token_pairs():
         assert (got.double() - expected).abs().max() < 1e-4, window
 
 
-@pytest.mark.parametrize("sets,head_minor,resident,bwd_resident", [
-    ("0", "1", "4", "0"), ("1", "1", "4", "1"), ("3", "1", "4", "0"), ("3", "0", "4", "1"), ("6", "1", "1", "1"),
-    ("9", "0", "1", "0")])
-def test_window_op_programs_loop_over_windows(sets, head_minor, resident, bwd_resident, monkeypatch):
+@pytest.mark.parametrize("sets,head_minor,resident", [
+    ("0", "1", "4"), ("1", "1", "4"), ("3", "1", "4"), ("3", "0", "4"), ("6", "1", "1"), ("9", "0", "1")])
+def test_window_op_programs_loop_over_windows(sets, head_minor, resident, monkeypatch):
     """One program per window (0), one looping over all windows (1), three sharing them, and six (nine rounded down
     to six) whose windows are each of one mask class and keep one bias tile in the forward (resident: the fewest
-    windows per program for that), neighbouring programs on the heads of a window or on the windows of a head; the
-    backward with its tile kept across windows, loaded again where the class changes (bwd_resident): same numbers
-    (forward and backward; on the interpreter the knob is programs per head)."""
+    windows per program for that), neighbouring programs on the heads of a window or on the windows of a head: same
+    numbers (forward and backward; on the interpreter the knob is programs per head)."""
     monkeypatch.setenv("SWIN_FW_PROGRAMS_PER_SM", sets)
     monkeypatch.setenv("SWIN_FW_BWD_PROGRAMS_PER_SM", sets)
     monkeypatch.setenv("SWIN_FW_HEAD_MINOR", head_minor)
     monkeypatch.setenv("SWIN_FW_BWD_HEAD_MINOR", head_minor)
     monkeypatch.setenv("SWIN_FW_RESIDENT_MIN_WINDOWS", resident)
-    monkeypatch.setenv("SWIN_FW_BWD_RESIDENT_BIAS", bwd_resident)
     check_window_op(2, (2, 3), (4, 4), (2, 2), 2, 16, torch.float32)
 
 
@@ -164,7 +161,7 @@ def test_resident_bias_only_where_a_programs_windows_share_a_class():
     assert not _launch_config(64, 2, 49, 32, cpu, itemsize=2, windows_per_image=8)["RESIDENT_BIAS"]
     assert not _launch_config(64, 2, 49, 32, cpu, itemsize=4)["RESIDENT_BIAS"]
     assert not _launch_config(64, 2, 144, 32, cpu, itemsize=2)["RESIDENT_BIAS"]  # query blocks, split keys
-    assert not _launch_config(64, 2, 49, 32, cpu, itemsize=2, backward=True)["RESIDENT_BIAS"]  # the backward: a knob
+    assert "RESIDENT_BIAS" not in _launch_config(64, 2, 49, 32, cpu, itemsize=2, backward=True)  # forward only
 
 
 def test_forward_programs_per_sm_leave_each_program_four_windows():
@@ -320,11 +317,9 @@ def test_image_op_cosine_matches_reference(feat, window, shifted, dtype):
 @pytest.mark.parametrize("cosine", [False, True], ids=["v1", "cosine"])
 def test_image_op_resident_bias_tiles(cosine, monkeypatch):
     """Forward programs that keep one bias tile for all their windows (9 program sets: each takes the windows at one
-    position of the padded 3x3 window grid, so of one mask class), backward programs that keep theirs while the
-    class stays, shifted and padded, V1 and V2 attention."""
+    position of the padded 3x3 window grid, so of one mask class), shifted and padded, V1 and V2 attention."""
     monkeypatch.setenv("SWIN_FW_PROGRAMS_PER_SM", "9")
     monkeypatch.setenv("SWIN_FW_RESIDENT_MIN_WINDOWS", "1")
-    monkeypatch.setenv("SWIN_FW_BWD_RESIDENT_BIAS", "1")
     import kernels.flash_window as fw
     launch, launched = fw._launch, {}
 
@@ -334,7 +329,7 @@ def test_image_op_resident_bias_tiles(cosine, monkeypatch):
 
     monkeypatch.setattr(fw, "_launch", record)
     (check_cosine_image_op if cosine else check_image_op)((10, 13), (4, 5), True, torch.float16)
-    assert launched == {"bias_tiles_kernel": None, "window_attn_fwd_kernel": True, "window_attn_bwd_kernel": True,
+    assert launched == {"bias_tiles_kernel": None, "window_attn_fwd_kernel": True, "window_attn_bwd_kernel": None,
                         "bias_grad_sum_kernel": None, "bias_table_grad_kernel": None}
 
 
@@ -717,12 +712,9 @@ def test_gpu_image_op_split_keys_bf16(shifted):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bwd_resident", ["0", "1"])
-def test_gpu_many_windows(bwd_resident, monkeypatch):
+def test_gpu_many_windows():
     """More than 65,535 windows x heads: the grid loops over windows (forward programs keeping their bias tile, of
-    25-26 windows each on 132 SMs; with bwd_resident the backward's kept across windows, reloaded where the class
-    changes)."""
-    monkeypatch.setenv("SWIN_FW_BWD_RESIDENT_BIAS", bwd_resident)
+    25-26 windows each on 132 SMs)."""
     check_window_op(256, (8, 8), (7, 7), (3, 3), 6, 32, torch.bfloat16, "cuda")
 
 
