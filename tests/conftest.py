@@ -11,13 +11,17 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # -n N on N cores: a core per worker (and per process it starts),
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # not N threads each that take turns on the same cores
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
 
-# Fresh random inputs on every run; TEST_SEED=<n> replays a run (the seed is printed in the header).
-RUN_SEED = int(os.environ.get("TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+# Fresh random inputs on every run; TEST_SEED=<n> replays a run (the seed is printed in the header). Set in the
+# environment here: pytest-xdist's workers (-n), started after this file is loaded, draw the seed of the header.
+RUN_SEED = int(os.environ.setdefault("TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
 
 
 def pytest_report_header(config):

@@ -1,5 +1,5 @@
-"""Fine-tuning through train.py: pretrain swin_micro on some digit classes, fine-tune on the others
-(head re-initialised), and beat training from scratch with the same short schedule."""
+"""Fine-tuning: pretrain swin_micro on some digit classes, fine-tune on the others (head re-initialised), and beat
+training from scratch with the same short schedule; eval.py reproduces the fine-tuned run's accuracy."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _train_utils import train_inprocess
 from hydra import compose, initialize_config_dir
 
 import swin
@@ -28,30 +29,11 @@ def _command(tmp_path: Path, name: str, overrides: tuple[str, ...]) -> list[str]
             f"hydra.run.dir={tmp_path / name}"]
 
 
-def _summary(tmp_path: Path, name: str) -> dict:
-    return json.loads((tmp_path / name / "summary.json").read_text())
-
-
 def _train(tmp_path: Path, name: str, *overrides: str) -> dict:
-    r = subprocess.run(_command(tmp_path, name, overrides), cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return _summary(tmp_path, name)
-
-
-def _train_pairs(tmp_path: Path, runs: list[tuple[str, tuple[str, ...]]]) -> dict[str, dict]:
-    """Runs two train.py processes at a time, one CPU thread each (small models: two processes on two cores finish
-    sooner than one on both); {name: summary}."""
-    env = _env(OMP_NUM_THREADS="1")
-    for i in range(0, len(runs), 2):
-        procs = []
-        for name, overrides in runs[i:i + 2]:  # output to files: a full pipe would stall a process nobody reads
-            with open(tmp_path / f"{name}.log", "w") as log:
-                procs.append((name, subprocess.Popen(_command(tmp_path, name, overrides), cwd=tmp_path, env=env,
-                                                     stdout=log, stderr=subprocess.STDOUT)))
-        for name, proc in procs:
-            assert proc.wait(timeout=600) == 0, name + ":\n" + (tmp_path / f"{name}.log").read_text()[-4000:]
-    return {name: _summary(tmp_path, name) for name, _ in runs}
+    """One run in this process (swin.engine.train, what train.py calls): a train.py process would spend more time
+    importing than these small runs train; train.py's own part (exit codes, messages) is
+    test_finetune_without_usable_weights_is_a_message's."""
+    return train_inprocess(tmp_path / name, *overrides, "logger.wandb.mode=disabled", "logger.progress=false")
 
 
 def test_finetune_config_is_the_official_recipe():
@@ -95,13 +77,10 @@ def test_pretrained_beats_scratch(tmp_path):
     best = tmp_path / "pre" / "checkpoints" / "best.pt"
     # 40 updates on 100 images are noisy (one pair of runs differed by -3 to +31 points over seeds): compare the
     # means of three seeds, each seed shared by the fine-tuned run and its from-scratch twin
-    runs = []
-    for k in range(1, 4):
-        runs += [(f"fine{k}", (*schedule, f"seed={seed + k}", f"model.pretrained={best}")),
-                 (f"scratch{k}", (*schedule, f"seed={seed + k}", "train.require_pretrained=false"))]  # no weights
-    done = _train_pairs(tmp_path, runs)
-    fine = [done[f"fine{k}"] for k in range(1, 4)]
-    scratch = [done[f"scratch{k}"] for k in range(1, 4)]
+    fine = [_train(tmp_path, f"fine{k}", *schedule, f"seed={seed + k}", f"model.pretrained={best}")
+            for k in range(1, 4)]
+    scratch = [_train(tmp_path, f"scratch{k}", *schedule, f"seed={seed + k}", "train.require_pretrained=false")
+               for k in range(1, 4)]  # no weights
     fine_top1 = sum(r["final_top1"] for r in fine) / 3
     scratch_top1 = sum(r["final_top1"] for r in scratch) / 3
     print(f"pretrain top1 {pre['best_top1']:.1f}; fine-tuned {fine_top1:.1f} vs scratch {scratch_top1:.1f} "
@@ -110,7 +89,7 @@ def test_pretrained_beats_scratch(tmp_path):
     fine = fine[0]
 
     # the fine-tuned checkpoint, evaluated by eval.py with the run's own model and data config,
-    # reproduces the accuracy train.py measured; its head has 4 classes (re-initialised from 6)
+    # reproduces the accuracy the training run measured; its head has 4 classes (re-initialised from 6)
     from swin.checkpoint import read_checkpoint
     assert read_checkpoint(best).state_dict["head.fc.weight"].shape[0] == 6
     ft_best = tmp_path / "fine1" / "checkpoints" / "best.pt"
