@@ -10,18 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_utils import train_inprocess
-from hydra import compose, initialize_config_dir
+from _train_utils import make_cfg, train_inprocess
 
 import swin
-import swin.config  # noqa: F401  (registers the config schemas before compose)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _env(**extra: str) -> dict[str, str]:
+def _env() -> dict[str, str]:
     """train.py's environment: the repository importable, no wandb."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", **extra}
+    return {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
 
 
 def _command(tmp_path: Path, name: str, overrides: tuple[str, ...]) -> list[str]:
@@ -37,8 +35,7 @@ def _train(tmp_path: Path, name: str, *overrides: str) -> dict:
 
 
 def test_finetune_config_is_the_official_recipe():
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose("train", overrides=["experiment=finetune", "model.pretrained=x.pth", "train.batch_size=1024"])
+    cfg = make_cfg("experiment=finetune", "model.pretrained=x.pth", "train.batch_size=1024")
     t = cfg.train
     assert (t.epochs, t.warmup_epochs, t.lr, t.weight_decay, t.lr_base_size) == (30, 5, 2e-5, 1e-8, 512)
     assert (t.warmup_lr, t.min_lr, t.opt, t.sched, t.clip_grad) == (2e-8, 2e-7, "adamw", "cosine", 5.0)
