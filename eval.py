@@ -14,8 +14,8 @@ import swin.config  # noqa: F401  (registers the config schemas before Hydra com
 def main(cfg: DictConfig) -> None:
     import torch
 
-    from swin.checkpoint import CheckpointError
     from swin.evaluate import overridden_groups, run_eval
+    from swin.models.pretrained import CheckpointError
 
     if OmegaConf.is_missing(cfg, "checkpoint"):
         print("error: give the weights to evaluate: checkpoint=PATH (ours, timm .pth/.safetensors, official "

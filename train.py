@@ -7,9 +7,7 @@ On a SLURM cluster through Hydra's submitit launcher (one task per GPU, one DDP 
 Configuration: configs/train.yaml and its groups (model/, data/, experiment/, hydra/launcher/); the loop:
 swin/engine.py.
 """
-import os
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -19,18 +17,13 @@ import swin.config  # noqa: F401  (registers the config schemas before Hydra com
 
 # exit status of a run stopped by the cluster's signal (time limit, preemption) after saving last.pt
 EXIT_PREEMPTED = 3
-# Hydra's submitit launcher starts each task as a fresh Python in the submission directory, which unpickles this
-# app (and the swin.config schemas) first: swin/ must be importable there, so the jobs inherit it on PYTHONPATH
-REPO = str(Path(__file__).resolve().parent)
-if REPO not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    from swin.checkpoint import CheckpointError
-    from swin.engine import ConfigError, NonFiniteLossError, train
-    from swin.preemption import Preempted
+    from swin.models.pretrained import CheckpointError
+    from swin.train.loop import ConfigError, NonFiniteLossError, train
+    from swin.train.preemption import Preempted
 
     try:
         train(cfg, HydraConfig.get().runtime.output_dir)

@@ -35,17 +35,17 @@ import os
 import torch
 import triton
 
-from .flash_window_triton import (
+from kernels.flash_window_triton import (
     bias_grad_sum_kernel,
     bias_table_grad_kernel,
     bias_tiles_kernel,
     window_attn_bwd_kernel,
     window_attn_fwd_kernel,
 )
-from .ops import eager_launch as _eager_launch
-from .ops import interpreting as _interpreting
-from .ops import kernel_op as _kernel_op
-from .ops import launch as _launch
+from kernels.ops import eager_launch as _eager_launch
+from kernels.ops import interpreting as _interpreting
+from kernels.ops import kernel_op as _kernel_op
+from kernels.ops import launch as _launch
 
 MAX_WINDOW_AREA = 256   # the L x L score tile must fit on chip (16 x 16 windows)
 MAX_HEAD_DIM = 128

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import interpreting, kernel_op, launch
+from kernels.ops import interpreting, kernel_op, launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

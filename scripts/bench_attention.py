@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 
-from swin.windows import WindowSpec, relative_position_index, shifted_window_mask  # noqa: E402
+from swin.models.windows import WindowSpec, relative_position_index, shifted_window_mask  # noqa: E402
 
 BACKEND_NAMES = ("standard", "sdpa", "flash_window", "paper")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

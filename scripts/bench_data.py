@@ -49,9 +49,10 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 import swin.config  # noqa: E402, F401  (registers the config schemas before Hydra composes)
-from swin.data import build_datasets, build_loaders  # noqa: E402
-from swin.distributed import pick_device  # noqa: E402
-from swin.gpu_data import jpeg_frame  # noqa: E402
+from swin.data.datasets import build_datasets  # noqa: E402
+from swin.data.gpu.decode import jpeg_frame  # noqa: E402
+from swin.data.loaders import build_loaders  # noqa: E402
+from swin.train.distributed import pick_device  # noqa: E402
 
 # the data keys of each kind of loader / train row
 DECODE_KINDS = {

@@ -95,7 +95,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf  # noqa: E402
 
 import swin  # noqa: E402
 import swin.config  # noqa: E402, F401  (registers the config schemas before Hydra composes)
-from swin.distributed import pick_device  # noqa: E402
+from swin.train.distributed import pick_device  # noqa: E402
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # keys of configs/model/*.yaml that describe the architecture (the others: attention, pretrained, ...)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from scripts.bench_attention import DTYPES, PRESETS, Problem, flash_window, host_ms, make_inputs, median_ms  # noqa: E402
-from swin.windows import relative_position_index, shifted_window_mask  # noqa: E402
+from swin.models.windows import relative_position_index, shifted_window_mask  # noqa: E402
 
 # BWD_BLOCK_M=16 / 32: 49-token windows in several query blocks (ptxas sm_90a, bf16: 148 / 217 registers against
 # 180 for one 64-row block), the backward's register budget against the multi-block bias-gradient accumulation

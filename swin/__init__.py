@@ -1,96 +1,11 @@
-"""Swin Transformer with switchable window attention: ``swin.create_model(name, **overrides)``."""
-from __future__ import annotations
+"""Swin Transformer with switchable window attention: ``swin.create_model(name, **overrides)``.
 
-from typing import Any
-
-from .attention import BACKENDS
-from .model import SwinTransformer
-
-# Architectures by timm's names (same hyper-parameters as timm's registrations).
-MODEL_CONFIGS: dict[str, dict[str, Any]] = {
-    "swin_tiny_patch4_window7_224": dict(img_size=224, patch_size=4, window_size=7, embed_dim=96,
-                                         depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24)),
-    "swin_small_patch4_window7_224": dict(img_size=224, patch_size=4, window_size=7, embed_dim=96,
-                                          depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),
-    "swin_base_patch4_window7_224": dict(img_size=224, patch_size=4, window_size=7, embed_dim=128,
-                                         depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
-    "swin_base_patch4_window12_384": dict(img_size=384, patch_size=4, window_size=12, embed_dim=128,
-                                          depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
-    "swin_large_patch4_window7_224": dict(img_size=224, patch_size=4, window_size=7, embed_dim=192,
-                                          depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48)),
-    "swin_large_patch4_window12_384": dict(img_size=384, patch_size=4, window_size=12, embed_dim=192,
-                                           depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48)),
-    # small model for CPU demos and tests: 16x16 input -> 8x8 then 4x4 tokens, window 4
-    "swin_micro": dict(img_size=16, patch_size=2, window_size=4, embed_dim=32, depths=(2, 2),
-                       num_heads=(2, 4), num_classes=10, drop_path_rate=0.0),
-}
-
-
-def _swinv2_config(img_size: int, window_size: int, size: str, pretrained_window: int = 0) -> dict[str, Any]:
-    """A Swin V2 registration of timm: tiny / small / base / large at img_size, window, pretrained window."""
-    embed_dim, depths, num_heads = {
-        "tiny": (96, (2, 2, 6, 2), (3, 6, 12, 24)), "small": (96, (2, 2, 18, 2), (3, 6, 12, 24)),
-        "base": (128, (2, 2, 18, 2), (4, 8, 16, 32)), "large": (192, (2, 2, 18, 2), (6, 12, 24, 48))}[size]
-    # timm's window12to* models were pretrained at 192 with window 12: the last stage (6x6) had window 6
-    pretrained = (pretrained_window,) * 3 + (pretrained_window // 2,) if pretrained_window else (0, 0, 0, 0)
-    return dict(version=2, img_size=img_size, patch_size=4, window_size=window_size, embed_dim=embed_dim,
-                depths=depths, num_heads=num_heads, pretrained_window_sizes=pretrained)
-
-
-# Swin V2 (timm's swinv2_* names; not the swinv2_cr_* family, another implementation)
-MODEL_CONFIGS.update({
-    "swinv2_tiny_window8_256": _swinv2_config(256, 8, "tiny"),
-    "swinv2_tiny_window16_256": _swinv2_config(256, 16, "tiny"),
-    "swinv2_small_window8_256": _swinv2_config(256, 8, "small"),
-    "swinv2_small_window16_256": _swinv2_config(256, 16, "small"),
-    "swinv2_base_window8_256": _swinv2_config(256, 8, "base"),
-    "swinv2_base_window16_256": _swinv2_config(256, 16, "base"),
-    "swinv2_base_window12_192": _swinv2_config(192, 12, "base"),
-    "swinv2_base_window12to16_192to256": _swinv2_config(256, 16, "base", pretrained_window=12),
-    "swinv2_base_window12to24_192to384": _swinv2_config(384, 24, "base", pretrained_window=12),
-    "swinv2_large_window12_192": _swinv2_config(192, 12, "large"),
-    "swinv2_large_window12to16_192to256": _swinv2_config(256, 16, "large", pretrained_window=12),
-    "swinv2_large_window12to24_192to384": _swinv2_config(384, 24, "large", pretrained_window=12),
-    # swin_micro's shapes with V2 blocks, for CPU demos and tests
-    "swinv2_micro": dict(MODEL_CONFIGS["swin_micro"], version=2, pretrained_window_sizes=(0, 0)),
-})
-
-
-def list_models() -> list[str]:
-    return sorted(MODEL_CONFIGS)
-
-
-def create_model(name: str, pretrained: str | bool | None = None, **overrides: Any) -> SwinTransformer:
-    """Build a Swin model by timm name, with keyword overrides of its architecture.
-
-    Overrides: attention, num_classes, img_size, window_size, patch_size, embed_dim, depths,
-    num_heads, drop_path_rate, drop_rate, mlp_ratio, in_chans, qkv_bias, dynamic_img_size,
-    recompute_mlp_act (default True: the MLP GELU output is recomputed in backward, not saved), fused_mlp_act
-    (default True: without gradients in bf16/fp16 on CUDA, fc1 and GELU as one cuBLASLt GEMM with its GELU epilogue;
-    swin.model.fc1_gelu_epilogue), fused_merge_norm (default True: without gradients on CUDA, v1, each stage's last
-    residual add, the next patch merging and its LayerNorm as one kernel; kernels.merge_norm), and for
-    Swin V2 (``swinv2_*``) pretrained_window_sizes (one per stage; 0: the stage's own window).
-    ``pretrained``: a checkpoint file (timm, official Microsoft or ours), or ``timm:<name.tag>``.
-    """
-    if name not in MODEL_CONFIGS:
-        raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
-    kwargs = {**MODEL_CONFIGS[name], **{k: v for k, v in overrides.items() if v is not None}}
-    if "attention" in kwargs and kwargs["attention"] not in BACKENDS:
-        raise ValueError(f"unknown attention backend {kwargs['attention']!r}; choose one of {sorted(BACKENDS)}")
-    for key in ("depths", "num_heads", "pretrained_window_sizes"):
-        if key in kwargs:
-            kwargs[key] = tuple(kwargs[key])
-    for key in ("img_size", "window_size", "patch_size"):
-        if isinstance(kwargs.get(key), (list, tuple)):
-            kwargs[key] = tuple(kwargs[key])
-    try:
-        model = SwinTransformer(**kwargs)
-    except TypeError as e:
-        raise ValueError(f"bad override for {name}: {e}") from None
-    if pretrained:
-        from .checkpoint import load_pretrained
-        load_pretrained(model, pretrained)
-    return model
-
+Layout: ``swin.models`` (the network, attention backends, named configs, weight loading), ``swin.data``
+(datasets, loaders, GPU decoding and augmentation), ``swin.train`` (the training loop and what it needs),
+``swin.evaluate`` (the evaluation loop of both train.py and eval.py); the Triton kernels of the model in
+``kernels/``. docs/design.md walks through it.
+"""
+from swin.models.registry import MODEL_CONFIGS, create_model, list_models
+from swin.models.swin_transformer import SwinTransformer
 
 __all__ = ["create_model", "list_models", "MODEL_CONFIGS", "SwinTransformer"]

@@ -6,7 +6,7 @@ bench_data.yaml start their defaults list with their schema (``/schema/train@_he
 configs/data/ file with its dataset's (``/schema/data/imagefolder@_here_``): Hydra then merges every config
 file and command-line override into a typed node, so ``train.lr=abc`` stops at start with Hydra's message
 naming the key and the type, and unknown keys stay rejected. Value ranges (``train.batch_size=-4``) are
-checked by swin.engine.check_config before anything is built.
+checked by swin.train.loop.check_config before anything is built.
 
 Importing this module registers the schemas in Hydra's ConfigStore; the entry points import it before
 ``@hydra.main`` composes (tests before ``compose``).
@@ -16,6 +16,10 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; raised before any work starts, the message names the key and the fix."""
 
 
 @dataclass

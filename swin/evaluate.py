@@ -9,8 +9,6 @@ data with the transforms of the pretrained config, evaluate, write a JSON result
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import os
 import time
@@ -22,14 +20,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .distributed import all_reduce_sum
-
-
-def _autocast(device: torch.device, amp: str | None) -> contextlib.AbstractContextManager:
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp or "fp32")
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+from swin.io import write_json
+from swin.precision import autocast, resolve_amp
+from swin.train.distributed import all_reduce_sum
 
 
 def _progress(total: int | None, enabled: bool, desc: str):
@@ -77,7 +70,7 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
             targets = targets.to(device, non_blocking=True)
             if channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
-            with _autocast(device, amp):
+            with autocast(device, resolve_amp(amp or "fp32", device)):
                 logits = model(images)
             logits = logits.float()
             num_classes = logits.shape[-1]
@@ -130,18 +123,6 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
     }
 
 
-def write_json(path: str | os.PathLike, results: dict[str, Any]) -> Path:
-    """Write results as indented JSON (atomically: temporary file then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(results, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-
-
 # --- eval.py -----------------------------------------------------------------------------------------
 def overridden_groups(overrides: Iterable[str]) -> set[str]:
     """Top-level config keys set on the command line (``model=x``, ``data.root=y``, ``+a.b=c`` ...)."""
@@ -181,10 +162,10 @@ def eval_transform_settings(model_name: str, ckpt: Any, data_cfg: Any) -> tuple[
 def build_eval_dataset(data_cfg: Any, img_size: Any) -> tuple[Any, int, tuple[Any, Any]]:
     """Validation split only (an ImageNet train/ folder takes long to list and is not needed), its class
     count and (mean, std): folder images come as uint8 and are normalised on the device (swin.data); with
-    data.decode=gpu they are decoded and resized there too (swin.gpu_data)."""
+    data.decode=gpu they are decoded and resized there too (swin.data.gpu.decode)."""
     from torch.utils.data import Subset
 
-    from .data import build_datasets, folder_split
+    from swin.data.datasets import build_datasets, folder_split
 
     if data_cfg.name in ("imagefolder", "imagenet"):
         from pathlib import Path
@@ -212,16 +193,16 @@ def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = N
     import timm
     from omegaconf import OmegaConf
 
-    from . import create_model
-    from .checkpoint import checkpoint_num_classes, load_into, read_source
-    from .data import build_eval_loader
-    from .distributed import barrier, cleanup, init_distributed
+    from swin.data.loaders import build_eval_loader
+    from swin.models.attention import check_backend
+    from swin.models.pretrained import checkpoint_num_classes, load_into, read_source
+    from swin.models.registry import config_overrides, create_model
+    from swin.train.distributed import barrier, cleanup, init_distributed
 
     log = logging.getLogger("swin.eval")
     cli_keys = cli_keys or set()
-    if cfg.model.get("attention") == "flash_window" and not torch.cuda.is_available():
-        raise ValueError("model.attention=flash_window needs a CUDA GPU; use model.attention=auto or sdpa")
     dist = init_distributed(cfg.device)
+    check_backend(cfg.model.attention, dist.device)
     try:
         ckpt = read_source(cfg.checkpoint, ema=cfg.ema)
         model_cfg, data_cfg = cfg.model, cfg.data
@@ -247,10 +228,7 @@ def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = N
         num_classes = model_cfg.get("num_classes") or checkpoint_num_classes(ckpt.state_dict)
         if not num_classes:
             raise ValueError(f"checkpoint {cfg.checkpoint} has no classifier; it cannot be evaluated as is")
-        overrides = OmegaConf.to_container(model_cfg, resolve=True)
-        for key in ("name", "pretrained", "num_classes"):
-            overrides.pop(key, None)
-        model = create_model(model_cfg.name, num_classes=num_classes, **overrides)
+        model = create_model(model_cfg.name, num_classes=num_classes, **config_overrides(model_cfg))
         report = load_into(model, ckpt, reset_head=False)
         model.to(dist.device)
 
@@ -260,7 +238,7 @@ def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = N
         # uint8 batches copied one ahead on a side stream and normalised on the device, as in training (or, with
         # data.decode=gpu, JPEG files decoded and resized on the device)
         loader = build_eval_loader(val, data_cfg, dist.device, dist.rank, dist.world_size, cfg.batch_size, mean, std)
-        amp = cfg.amp if cfg.amp != "auto" else ("bf16" if dist.device.type == "cuda" else "fp32")
+        amp = resolve_amp(cfg.amp, dist.device)
         if dist.is_main:
             log.info(f"model {model_cfg.name} ({num_classes} classes, img_size {model.img_size}, window "
                      f"{model.window_size}, attention {model.attention}); data {data_cfg.name}: {len(val)} images, "
@@ -270,7 +248,7 @@ def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = N
         results = {
             **{k: metrics[k] for k in ("top1", "top5", "loss", "images_per_sec", "num_images", "skipped_images",
                                        "seconds", "top5_k")},
-            "decode": data_cfg.get("decode", "cpu"), "cpu_decoded_images": getattr(loader, "cpu_decoded", 0),
+            "decode": data_cfg.get("decode", "cpu"), "cpu_decoded_images": loader.cpu_decoded,
             "checkpoint": str(cfg.checkpoint), "checkpoint_kind": ckpt.kind, "weights": ckpt.weights,
             "checkpoint_meta": ckpt.meta, "resized_bias_tables": len(report.resized),
             "model": model_cfg.name, "num_classes": num_classes, "img_size": list(model.img_size),
@@ -291,5 +269,4 @@ def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = N
         cleanup()
 
 
-__all__ = ["build_eval_dataset", "eval_transform_settings", "evaluate", "overridden_groups", "run_eval",
-           "write_json"]
+__all__ = ["build_eval_dataset", "eval_transform_settings", "evaluate", "overridden_groups", "run_eval"]

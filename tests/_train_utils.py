@@ -29,7 +29,7 @@ def make_cfg(*overrides: str) -> Any:
 
 
 def train_inprocess(run_dir: Path, *overrides: str) -> dict[str, Any]:
-    from swin.engine import train
+    from swin.train.loop import train
     return train(make_cfg(*overrides), run_dir)
 
 

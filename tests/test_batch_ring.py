@@ -1,4 +1,4 @@
-"""swin.batch_ring: loader workers send batches through a ring of shared buffers; every batch arrives intact, in
+"""batch_ring: loader workers send batches through a ring of shared buffers; every batch arrives intact, in
 order, and every slot comes back, also when an epoch is abandoned half-way."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from swin.batch_ring import BatchRing, ReceivedBatch, RingSlot
-from swin.data import DeviceLoader, ResumableDistributedSampler, _Normalize
+from swin.data.gpu.batch_ring import BatchRing, ReceivedBatch, RingSlot
+from swin.data.loaders import DeviceLoader, ResumableDistributedSampler, _Normalize
 
 
 class _Images(Dataset):
@@ -28,7 +28,7 @@ class _Images(Dataset):
 
 
 class _RingCollate:
-    """What swin.gpu_data.DeviceCollate does with a ring in a worker, minus the decoding."""
+    """What swin.data.gpu.decode.DeviceCollate does with a ring in a worker, minus the decoding."""
 
     def __init__(self, ring: BatchRing):
         self.ring = ring

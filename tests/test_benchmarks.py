@@ -6,7 +6,6 @@ backend agrees with the float64 reference. The Triton kernels run in the interpr
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,22 +45,6 @@ def test_bench_attention_cpu(tmp_path):
         assert set(r["errors"]) == {"out", "dq", "dk", "dv", "dtable"}
         assert max(r["errors"].values()) < 1e-4, (r["backend"], r["errors"])
     assert "| tiny | float32 | flash_window |" in result["table"]
-
-
-def test_bench_fc1_gelu_cpu(tmp_path):
-    """The fc1 + GELU benchmark runs each path at each fc1 shape of the model: one table per shape with a time and
-    (GELU paths) finite errors against float64 exact GELU(fc1), bf16-sized, then the per-step totals."""
-    stdout = run_script([str(ROOT / "scripts/bench_fc1_gelu.py"), "--scale", "0.0002", "--warmup", "0", "--reps", "1"],
-                        cwd=tmp_path)
-    shapes = [line for line in stdout.splitlines() if line.startswith("## fc1")]
-    assert len(shapes) == 4 and "80 x 96 -> 384" in shapes[0], shapes
-    rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| cuBLAS")]
-    assert len(rows) == 4 * 3 + 3, rows  # three paths per shape, then the three totals
-    for path, ms, *rest in rows:
-        assert positive(float(ms)), (path, ms)
-        if "GELU" in path and rest:  # a shape's row: ratio to fc1 + GELU, max abs error, relative L2 error
-            ratio, max_abs, rel = (float(v) for v in rest)
-            assert positive(ratio) and 0 < max_abs < 5e-2 and 0 < rel < 1e-2, (path, rest)
 
 
 @pytest.mark.slow
@@ -359,30 +342,6 @@ def test_breakdown_table():
     assert "GPU busy ms" not in report_tables(rows, profiled=False)
 
 
-def test_loop_report_compares_each_run_with_the_model_step_of_its_compile_mode(tmp_path):
-    from scripts.loop_report import main
-    (tmp_path / "loop_model").mkdir()
-    rows = [{"impl": "ours", "attention": "flash_window", "compile": True, "compile_mode": None, "batch_size": 128,
-             "precision": "bf16", "train_img_s": 4000.0},
-            {"impl": "ours", "attention": "flash_window", "compile": True, "compile_mode": "reduce-overhead",
-             "batch_size": 128, "precision": "bf16", "train_img_s": 5000.0}]
-    (tmp_path / "loop_model" / "benchmark.json").write_text(json.dumps({"rows": rows}))
-    for name, ips in (("synthetic_compiled", 3900.0), ("synthetic_cudagraphs", 4500.0), ("synthetic_eager", 2000.0)):
-        (tmp_path / f"loop_{name}").mkdir()
-        summary = {"images_per_sec": ips, "data_wait_fraction": 0.25, "history": [{"images_per_sec": ips}]}
-        (tmp_path / f"loop_{name}" / "summary.json").write_text(json.dumps(summary))
-    import contextlib
-    import io
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        main(tmp_path)
-    lines = {line.split(" | ")[0]: line.split(" | ") for line in text.getvalue().splitlines()}
-    assert lines["| train.py data=synthetic, compiled"][1:4] == ["3,900", "0.97", "25.0%"]
-    assert lines["| train.py data=synthetic, compiled, compile_mode=reduce-overhead"][1:3] == ["4,500", "0.90"]
-    assert lines["| train.py data=synthetic, eager"][2] == "-"
-    assert "missing" in lines["| train.py experiment=imagenet_swin_tiny on JPEGs, compiled"][1]
-
-
 def test_bench_data_train_args(tmp_path):
     """The train rows' train.py arguments: each decode kind's data keys and its worker count, last."""
     from hydra import compose, initialize_config_dir
@@ -447,150 +406,3 @@ def test_bench_data_cpu(tmp_path):
     assert "| loader only, data.decode=cpu data.augment=gpu (workers decode, a thread augments), num_workers=1 |" in md
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("data", ["digits", "synthetic"])
-def test_profile_train_step_cpu(tmp_path, data):
-    """scripts/profile_train_step.py runs train.py unchanged and reports its profiled window: on the CPU, no kernels,
-    but the step's wall time and the data wait, of which the DataLoader's own wait is a part (none with synthetic
-    data, which has no DataLoader); with --host, the host time of each part of the step over a window of its own."""
-    out = tmp_path / "profile.json"
-    limits = ["data.train_limit=192", "data.val_limit=16"] if data == "digits" else \
-        ["data.train_samples=192", "data.val_samples=16", "data.num_classes=10"]
-    stdout = run_script([str(ROOT / "scripts/profile_train_step.py"), "--start", "3", "--stop", "6", "--json", str(out),
-                         "--host", "7", "12", "--", "model=swin_micro", f"data={data}", "train.batch_size=16",
-                         "train.epochs=1", "logger.log_every_steps=2",
-                         "train.warmup_epochs=0", *limits,
-                         "logger.wandb.mode=disabled", "logger.progress=false", f"hydra.run.dir={tmp_path / 'run'}"],
-                        cwd=tmp_path, timeout=200)
-    line = json.loads(next(s for s in stdout.splitlines() if s.startswith('{"steps"')))
-    result = json.loads(out.read_text())
-    assert line["steps"] == result["steps"] == 3 and positive(result["wall_ms"])
-    if data == "digits":
-        assert 0 < result["dataloader_next_ms"] <= result["data_wait_ms"] < result["wall_ms"]
-    else:
-        assert result["dataloader_next_ms"] is None and 0 < result["data_wait_ms"] < result["wall_ms"]
-    assert result["kernel_ms"] == result["busy_ms"] == result["span_ms"] == 0.0
-    launches = result["launches"]  # no CUDA here
-    assert launches.pop("by_thread") == {} and set(launches.values()) == {0.0} and "cudaGraphLaunch" in launches
-    assert result["top_kernels"].startswith("| kernel |") and result["crosses_epoch_end"] is False
-    assert (tmp_path / "run" / "summary.json").is_file()  # the run went on to its end
-    # --host: on the CPU every op runs as it is called, so the parts of the step and the loop add up to the wall
-    # time of updates 7..11 (check points every 2 updates: after 8 and 10, each a counter read and a preemption
-    # vote)
-    host = json.loads(next(s for s in stdout.splitlines() if s.startswith('{"host"')))["host"]
-    assert host == result["host"] and host["updates"] == 5 and host["syncs"] == 4, host
-    assert host["crosses_epoch_end"] is False
-    parts = [host[k] for k in host if k.endswith("_ms") and k not in ("wall_ms", "host_busy_ms", "sync_wait_ms")]
-    assert len(parts) == 8 and host["check_points_host_ms"] > 0, host  # the check points' own work, not their syncs
-    assert all(v >= 0 for v in parts) and host["model_ms"] > 0 and host["apply_update_ms"] > 0, host
-    assert host["host_busy_ms"] == pytest.approx(sum(parts), abs=0.01), host
-    assert 0.9 * host["wall_ms"] < host["host_busy_ms"] + host["sync_wait_ms"] <= 1.01 * host["wall_ms"], host
-
-
-@pytest.mark.slow
-def test_bench_worker_cost_cpu(tmp_path):
-    """scripts/bench_worker_cost.py on the CPU: train.py alone, then beside a paced process doing a decoding worker's
-    batches (decode, augmentation, copy out); both runs' img/s in the table, and the worker's rate near its cap."""
-    # 4 img/s: a batch of 4 a second, which a CPU worker keeps up with beside train.py (at 16 img/s it could not: it
-    # ran flat out, ~9 img/s, and train.py beside it fell from ~500 to ~10 img/s); 4 steps per epoch (start-up is
-    # most of a run)
-    rate = 4
-    stdout = run_script([str(ROOT / "scripts/bench_worker_cost.py"), "--device", "cpu", "--workers", "1", "--rate",
-                         str(rate), "--batch", "4", "--out", str(tmp_path / "cost"), "--timeout", "200", "--variants",
-                         "worker", "no-host-copy", "--",
-                         sys.executable, str(ROOT / "train.py"), "model=swin_micro", "data=synthetic",
-                         "data.train_samples=64", "data.val_samples=16", "data.num_classes=10", "train.batch_size=16",
-                         "train.epochs=2", "train.warmup_epochs=0", "logger.wandb.mode=disabled",
-                         "logger.progress=false"], cwd=tmp_path, timeout=400)
-    final = stdout[stdout.rindex("| train.py |"):]  # the last table: alone and each variant
-    rows = [line.strip("|").split("|") for line in final.splitlines() if line.startswith(("| alone", "| beside"))]
-    assert len(rows) == 3 and "the batch left on the GPU" in rows[2][0], final
-    for cells in rows:
-        assert positive(float(cells[1].replace(",", ""))) and cells[2].strip().endswith("%"), final
-    for done in re.findall(r"they did ([\d,.]+)", final):
-        assert 0 < float(done.replace(",", "")) <= rate * 1.5, final  # paced: at most `rate` (a slow CPU: fewer)
-    assert (tmp_path / "cost" / "alone" / "summary.json").is_file()
-    assert (tmp_path / "cost" / "beside_no-host-copy" / "summary.json").is_file()
-
-
-def test_bench_augment_kernels_sweeps_and_restores_the_launch_geometry(monkeypatch):
-    """bench_augment_kernels.py's rows on the CPU (the interpreter; a wall-clock timer instead of the profiler's GPU
-    time): one row per geometry, every one's output equal to the shipped one's, the shipped settings restored."""
-    import time
-
-    from scripts import bench_augment_kernels as bench
-
-    def wall_us(fn, calls):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - start) / calls * 1e6
-    monkeypatch.setattr(bench, "kernel_us", wall_us)
-    shipped = (bench.cr.GPU_BLOCK, bench.cr.GPU_WARPS, bench.ra.APPLY_BLOCK, bench.ra.APPLY_WARPS)
-    images, plan = bench.recipe_batch(2, 16, seed=3, device="cpu", sides=(20, 40))
-    x = bench.cr.crop_resize(images, plan.boxes, plan.modes, (16, 16), flips=plan.flips)
-    rows = bench.crop_rows(images, plan, 16, calls=1) + bench.apply_rows(x, plan, calls=1)
-    assert len(rows) == 2 + 5 * 3 + 1 + 3 * 3
-    cells = [row.strip("|").split("|") for row in rows]
-    assert all(float(c[1]) > 0 for c in cells)
-    assert all(c[2].strip() in ("0", "") for c in cells)  # the same output at every geometry
-    assert (bench.cr.GPU_BLOCK, bench.cr.GPU_WARPS, bench.ra.APPLY_BLOCK, bench.ra.APPLY_WARPS) == shipped
-
-
-@pytest.mark.slow
-def test_train_replay_puts_noise_and_labels_in_the_ring_without_decoding(tmp_path, monkeypatch):
-    """scripts/train_replay.py: its collate never decodes (the decoder would raise) and leaves the worker's fixed
-    noise batch and the files' own labels in a ring slot; it refuses a command without data.decode=gpu or without
-    workers; profile_train_step.py --replay runs train.py through it to the end (on the CPU, with forked workers)
-    and profiles its window."""
-    import io
-    import pickle
-
-    import torch
-    from PIL import Image
-
-    from scripts import train_replay
-    from swin import gpu_augment as ga
-    from swin.batch_ring import BatchRing
-    from swin.gpu_data import DeviceCollate
-
-    def jpeg(seed: int) -> bytes:
-        buf = io.BytesIO()
-        Image.fromarray(torch.randint(0, 256, (40, 50, 3), dtype=torch.uint8,
-                                      generator=torch.Generator().manual_seed(seed)).numpy()).save(buf, "JPEG")
-        return buf.getvalue()
-
-    ring = BatchRing(2, 4, (3, 16, 16))
-    collate = train_replay.ReplayCollate(DeviceCollate(torch.device("cpu"), ga.TrainTransform(ga.TrainSpec((16, 16))),
-                                                       skip_corrupt=False, ring=ring))
-    monkeypatch.setattr(collate, "decoder", lambda *a: pytest.fail("the replay decoded a file"))
-    labels = torch.randint(0, 1000, (3,)).tolist()
-    received = pickle.loads(pickle.dumps(collate([(jpeg(k), y, f"{k}.JPEG", k) for k, y in enumerate(labels)])[0]))
-    x, y = received.to(torch.device("cpu"))
-    assert torch.equal(x, collate.noise[:3]) and torch.equal(y, torch.tensor(labels))
-    assert collate.noise.float().std() > 50  # noise, not zeros
-    received.release()
-    for split in ("train", "val"):
-        for c in range(2):
-            (tmp_path / "d" / split / f"c{c}").mkdir(parents=True)
-            for k in range(8):
-                (tmp_path / "d" / split / f"c{c}" / f"{k}.JPEG").write_bytes(jpeg(100 * c + k))
-    args = ["experiment=imagenet_swin_tiny", "model=swin_micro", f"data.root={tmp_path / 'd'}",
-            "data.num_workers=2", "train.batch_size=2", "train.epochs=1", "train.warmup_epochs=0",
-            "train.save_every_epochs=0", "train.save_every_steps=0", "logger.wandb.mode=disabled",
-            "logger.progress=false", f"hydra.run.dir={tmp_path / 'run'}"]
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/train_replay.py"), *args], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and "give data.decode=gpu" in r.stderr
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/train_replay.py"), "data.decode=gpu", *args,
-                        "data.num_workers=0"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "needs data.num_workers > 0" in r.stderr  # no workers: nothing to replay
-    # a run through it (as profile_train_step.py --replay makes one, profiled: 8 batches of 2 per epoch)
-    out = tmp_path / "profile.json"
-    stdout = run_script([str(ROOT / "scripts/profile_train_step.py"), "--replay", "--start", "3", "--stop", "6",
-                         "--json", str(out), "--", "data.decode=gpu", *args], cwd=tmp_path, timeout=200)
-    assert "train_replay: 2 loader workers put noise batches in the ring" in stdout
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert positive(summary["images_per_sec"]) and summary["epochs"] == 1 and summary["cpu_decoded_images"] == 0
-    result = json.loads(out.read_text())
-    assert result["steps"] == 3 and 0 <= result["dataloader_next_ms"] <= result["data_wait_ms"] < result["wall_ms"]

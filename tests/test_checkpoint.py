@@ -15,7 +15,7 @@ from timm.models.swin_transformer import SwinTransformer as TimmSwin
 from timm.models.swin_transformer import checkpoint_filter_fn
 
 import swin
-from swin.checkpoint import CheckpointError, load_checkpoint, load_pretrained, read_checkpoint
+from swin.models.pretrained import CheckpointError, load_checkpoint, load_pretrained, read_checkpoint
 
 # small enough for the CPU: 32x32 input, patch 2 -> 16x16, 8x8, 4x4 tokens, window 4, 3 stages
 ARCH = dict(img_size=32, patch_size=2, window_size=4, embed_dim=16, depths=(2, 2, 2), num_heads=(2, 2, 4),
@@ -239,7 +239,7 @@ def test_missing_and_extra_keys(reference, tmp_path):
 
 
 def test_timm_hub_without_network_fails_fast():
-    from swin.checkpoint import _hub_reachable
+    from swin.models.pretrained import _hub_reachable
     if _hub_reachable():
         pytest.skip("the Hugging Face hub is reachable here")
     start = time.perf_counter()
@@ -281,7 +281,7 @@ def test_timm_name_from_local_hub_cache(reference, tmp_path, monkeypatch):
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("0123abc")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr("swin.checkpoint._hub_reachable", lambda timeout=3.0: pytest.fail("network was tried"))
+    monkeypatch.setattr("swin.models.pretrained._hub_reachable", lambda timeout=3.0: pytest.fail("network was tried"))
     model = ours()
     report = load_pretrained(model, "timm:swin_tiny_patch4_window7_224.ms_in1k")
     assert report.source.endswith("model.safetensors") and not report.head_reset

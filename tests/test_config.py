@@ -85,7 +85,7 @@ def test_benchmark_grid_rows_are_typed():
 
 
 def test_model_sizes_take_an_int_or_height_width():
-    from swin.engine import ConfigError, check_config
+    from swin.train.checks import ConfigError, check_config
 
     cpu = torch.device("cpu")
     check_config(make_cfg("model.img_size=[16,24]", "model.window_size=[4,4]"), 1, cpu)  # rectangular: accepted

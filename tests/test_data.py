@@ -10,15 +10,8 @@ import torch
 from _train_utils import DET, image_folder, make_cfg, train_inprocess
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 
-from swin.data import (
-    DeviceLoader,
-    SyntheticDataset,
-    SyntheticLoader,
-    TensorImageDataset,
-    _Normalize,
-    build_datasets,
-    build_loaders,
-)
+from swin.data.datasets import SyntheticDataset, TensorImageDataset, build_datasets
+from swin.data.loaders import DeviceLoader, SyntheticLoader, _Normalize, build_loaders
 
 
 def _folder_cfg(root, *overrides):
@@ -94,7 +87,7 @@ def test_batch_random_erasing_erases_timms_boxes(mode, count, splits):
 
     from timm.data.random_erasing import RandomErasing
 
-    from swin.erasing import BatchRandomErasing
+    from swin.data.erasing import BatchRandomErasing
     args = dict(probability=0.6, mode=mode, max_count=count, num_splits=splits, device="cpu")
     x = torch.rand(48, 3, 24, 20) + 0.5  # no value is 0 or noise-like by chance
     seed = int(torch.randint(0, 2**31, ()))
@@ -124,7 +117,7 @@ def test_batch_random_erasing_erases_timms_boxes(mode, count, splits):
 
 
 def test_batch_random_erasing_of_an_empty_batch_is_the_empty_batch():
-    from swin.erasing import BatchRandomErasing
+    from swin.data.erasing import BatchRandomErasing
     assert BatchRandomErasing(1.0, mode="pixel", device="cpu")(torch.rand(0, 3, 8, 8)).shape == (0, 3, 8, 8)
 
 
@@ -133,7 +126,7 @@ def test_batch_random_erasing_leaves_single_images_to_timm():
 
     from timm.data.random_erasing import RandomErasing
 
-    from swin.erasing import BatchRandomErasing
+    from swin.data.erasing import BatchRandomErasing
     x = torch.rand(3, 16, 16) + 0.5
     random.seed(5)
     want = RandomErasing(1.0, mode="const", device="cpu")(x.clone())
@@ -147,7 +140,7 @@ def test_gpu_batch_random_erasing_matches_the_cpu_and_never_syncs():
     """On CUDA: the boxes of the same seed as on the CPU, erased without waiting for the device."""
     import random
 
-    from swin.erasing import BatchRandomErasing
+    from swin.data.erasing import BatchRandomErasing
     x = torch.rand(128, 3, 224, 224) + 0.5
     erase = BatchRandomErasing(0.25, mode="pixel", device="cuda")
     random.seed(11)

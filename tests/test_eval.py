@@ -68,7 +68,7 @@ def test_overridden_groups():
 @pytest.fixture(scope="module")
 def digits_val():
     """The digits validation split exactly as eval.py builds it, and a timm model with its logits on it."""
-    from swin.data import build_datasets
+    from swin.data.datasets import build_datasets
     cfg = eval_cfg()
     val = build_datasets(cfg.data, 16).val
     x = torch.stack([val[i][0] for i in range(len(val))])

@@ -28,7 +28,7 @@ def _command(tmp_path: Path, name: str, overrides: tuple[str, ...]) -> list[str]
 
 
 def _train(tmp_path: Path, name: str, *overrides: str) -> dict:
-    """One run in this process (swin.engine.train, what train.py calls): a train.py process would spend more time
+    """One run in this process (swin.train.loop.train, what train.py calls): a train.py process would spend more time
     importing than these small runs train; train.py's own part (exit codes, messages) is
     test_finetune_without_usable_weights_is_a_message's."""
     return train_inprocess(tmp_path / name, *overrides, "logger.wandb.mode=disabled", "logger.progress=false")
@@ -87,7 +87,7 @@ def test_pretrained_beats_scratch(tmp_path):
 
     # the fine-tuned checkpoint, evaluated by eval.py with the run's own model and data config,
     # reproduces the accuracy the training run measured; its head has 4 classes (re-initialised from 6)
-    from swin.checkpoint import read_checkpoint
+    from swin.models.pretrained import read_checkpoint
     assert read_checkpoint(best).state_dict["head.fc.weight"].shape[0] == 6
     ft_best = tmp_path / "fine1" / "checkpoints" / "best.pt"
     assert read_checkpoint(ft_best).state_dict["head.fc.weight"].shape[0] == 4

@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import swin
 from kernels.flash_window import _launch_config, flash_window_attention, flash_window_attention_image
-from swin.attention import WindowAttentionArgs, standard_attention
-from swin.windows import WindowSpec, relative_position_index, shifted_window_mask
+from swin.models.attention import WindowAttentionArgs, standard_attention
+from swin.models.windows import WindowSpec, relative_position_index, shifted_window_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -669,7 +669,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_auto_falls_back_to_sdpa_with_one_warning(monkeypatch):
-    import swin.attention as attention
+    import swin.models.attention as attention
     monkeypatch.setattr(attention, "_auto_warned", set())
     model = swin.create_model("swin_micro", attention="auto", img_size=(16, 16))
     x = torch.randn(1, 3, 16, 16)

@@ -1,4 +1,4 @@
-"""data.decode=gpu (swin.gpu_data, swin.gpu_augment): the device pipeline's logic, run on the CPU and checked against
+"""data.decode=gpu (decode, augment): the device pipeline's logic, run on the CPU and checked against
 independent references (torchvision's CPU transforms, timm's PIL RandAugment ops, PIL decoding, the decode=cpu
 path); GPU tests compare nvJPEG and the CUDA pipeline with CPU decoding and the CPU pipeline.
 
@@ -24,18 +24,11 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader
 
 from scripts.make_imagefolder import make_image
-from swin import gpu_augment as ga
-from swin.batch_ring import BatchRing
-from swin.data import (
-    CorruptImageError,
-    DeviceLoader,
-    ResumableDistributedSampler,
-    _Normalize,
-    build_datasets,
-    build_eval_loader,
-)
-from swin.engine import ConfigError, check_config
-from swin.gpu_data import (
+from swin.data.datasets import build_datasets
+from swin.data.folder import CorruptImageError
+from swin.data.gpu import augment as ga
+from swin.data.gpu.batch_ring import BatchRing
+from swin.data.gpu.decode import (
     FILES_PER_CALL_BESIDE_STEP,
     DecodedImageFolder,
     DecodeThread,
@@ -50,6 +43,8 @@ from swin.gpu_data import (
     jpeg_frame,
     nvjpeg_can_decode,
 )
+from swin.data.loaders import DeviceLoader, ResumableDistributedSampler, _Normalize, build_eval_loader
+from swin.train.checks import ConfigError, check_config
 
 STD_LEVELS = 255 * min(IMAGENET_DEFAULT_STD)  # one uint8 level is at most 1 / STD_LEVELS after normalisation
 
@@ -102,7 +97,7 @@ def test_jpeg_headers_route_files_nvjpeg_cannot_decode_to_the_cpu(photos):
         assert jpeg_frame(data) == frame, name
         assert jpeg_frame(memoryview(data)) == frame, name  # the decoder reads headers from views of a batch
         assert nvjpeg_can_decode(data) is gpu, name
-    # the JPEG engines (swin.nvjpeg) take baseline grey or YCbCr files of every common subsampling, and no others
+    # the JPEG engines (nvjpeg) take baseline grey or YCbCr files of every common subsampling, and no others
     engines = {name: (data, (h, w) if name in ("baseline", "grey") else None)
                for name, (data, _, _) in cases.items()}
     engines |= {f"baseline {s}": (_jpeg(img, subsampling=s), (h, w)) for s in (0, 1, 2)}  # 4:4:4, 4:2:2, 4:2:0
@@ -194,10 +189,10 @@ def test_training_crops_flips_and_normalisation_match_torchvision(photos, interp
 
 @pytest.mark.parametrize("size", [(48, 48), (20, 130)])
 def test_batched_crop_resize_matches_interpolate_per_image(photos, size):
-    """kernels.crop_resize (two launches for a batch of images of different sizes) against the path it replaced, one
+    """crop_resize (two launches for a batch of images of different sizes) against the path it replaced, one
     F.interpolate per image (antialiased bilinear / bicubic, nearest-exact), rounded to uint8: downscaling by up to
     ~8x, upscaling, a non-square output; equal but for rare 1-level rounding differences."""
-    from kernels.crop_resize import crop_resize, crop_resize_packed
+    from swin.data.gpu.crop_resize import crop_resize, crop_resize_packed
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rng = _rng()
     sizes = rng.integers(30, 400, (len(photos), 2))
@@ -239,7 +234,7 @@ def test_gpu_crop_resize_matches_interpolate_at_the_pipeline_sizes(photos):
     """On CUDA, ImageNet-sized photos to 224 x 224 with each mode: the kernel against F.interpolate on the same
     device. (Its first H100 run inside the pipeline differed from the CPU by 0.49 levels on average while the
     interpreter agreed; the message gives the signed mean difference per mode to tell rounding from geometry.)"""
-    from kernels.crop_resize import crop_resize
+    from swin.data.gpu.crop_resize import crop_resize
     images = [img.cuda() for img in _decode_cpu([_jpeg(p) for p in photos])] * 3
     rng = _rng()
     boxes = []
@@ -260,7 +255,7 @@ def test_batched_crop_resize_reads_images_where_they_lie():
     """The kernels read each image at its address (no packing copy): views into one buffer in any order, a
     non-contiguous image and a large one allocated apart give what the same images packed back to back in one
     buffer give."""
-    from kernels.crop_resize import crop_resize, crop_resize_packed
+    from swin.data.gpu.crop_resize import crop_resize, crop_resize_packed
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rng = _rng()
     shapes = [(int(h), int(w)) for h, w in rng.integers(9, 40, (5, 2))]
@@ -330,7 +325,7 @@ def test_batched_crop_resize_of_ycbcr_planes_matches_float64():
     """YCbCr planes as nvJPEG's YUV output leaves them (4:2:0, 4:2:2, 4:4:0, 4:4:4, 4:1:1; odd sizes), mixed with RGB
     images in one batch, against a float64 reference that resamples each plane where the crop lies in it and then
     converts to RGB: within 1 level on under 1% of values; the RGB images exactly as in a batch of their own."""
-    from kernels.crop_resize import YCbCrImage, crop_resize
+    from swin.data.gpu.crop_resize import YCbCrImage, crop_resize
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rng = _rng()
     cases = [(1, 1), (0, 1), (1, 0), (0, 0), (0, 2), (1, 1), (1, 1)]
@@ -364,10 +359,10 @@ def test_batched_crop_resize_of_ycbcr_planes_matches_float64():
 
 
 def test_crop_resize_row_pass_grouping_changes_no_value(monkeypatch):
-    """The row pass with an image's planes per program (kernels.crop_resize._plane_groups: RGB images' three
+    """The row pass with an image's planes per program (swin.data.gpu.crop_resize._plane_groups: RGB images' three
     planes, YCbCr images' luma and chroma pair) gives exactly what one plane per program gives: a mixed batch with
     flips, and RGB images packed channels-last."""
-    from kernels import crop_resize as cr
+    from swin.data.gpu import crop_resize as cr
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rng = _rng()
     images = []
@@ -404,7 +399,7 @@ def test_ycbcr_crop_resize_of_a_photo_is_its_rgb_crop():
     """The meaning of the YCbCr path: a photo's 4:4:4 planes (PIL's conversion) cropped and resized give the RGB
     photo's crop within 2 levels (the conversion is linear), and its 4:2:0 planes (chroma averaged over 2 x 2) within
     JPEG-like chroma error."""
-    from kernels.crop_resize import YCbCrImage, crop_resize
+    from swin.data.gpu.crop_resize import YCbCrImage, crop_resize
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # blurred: chroma that 2 x 2 averaging keeps (a photo's grain is lost to any 4:2:0 file alike)
     photo = make_image(1, 5, int(_rng().integers(0, 2**31))).resize((160, 120)).filter(ImageFilter.GaussianBlur(2))
@@ -426,7 +421,7 @@ def test_ycbcr_planes_in_the_pytorch_path_and_the_kernels():
     """The PyTorch path (TrainTransform(kernels=False)) takes YCbCr planes too: ycbcr_to_rgb of 4:4:4 planes is PIL's
     YCbCr -> RGB within 1 level; crops of 4:2:0 planes in PyTorch (chroma upsampled first) and in the kernels (each
     plane resampled to the crop) stay close."""
-    from kernels.crop_resize import YCbCrImage
+    from swin.data.gpu.crop_resize import YCbCrImage
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rng = _rng()
     photo = make_image(2, 5, int(rng.integers(0, 2**31))).resize((150, 110)).filter(ImageFilter.GaussianBlur(1.5))
@@ -451,7 +446,7 @@ def test_ycbcr_planes_in_the_pytorch_path_and_the_kernels():
 def test_batched_crop_resize_rounds_half_to_even_and_checks_boxes():
     """Two equal taps make exact halves: 1.5 -> 2, 2.5 -> 2, 3.5 -> 4 (torch.round, as the per-image path); nearest
     at an even ratio takes pixel floor(2 (i + 0.5)) = 2i + 1; a box outside its image is refused."""
-    from kernels.crop_resize import crop_resize
+    from swin.data.gpu.crop_resize import crop_resize
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pairs = [torch.tensor([a, a + 1], dtype=torch.uint8, device=device).view(1, 1, 2).expand(3, 1, 2).contiguous()
              for a in (1, 2, 3)]
@@ -574,11 +569,11 @@ def _layer_levels(got: torch.Tensor, want: torch.Tensor, ops: np.ndarray) -> tor
 def test_augment_layers_apply_each_images_own_ops(photos, kernels, monkeypatch):
     """Each layer of the batch applies each image's own op (apply_op on that image alone, on the layer's input).
     PyTorch path (images grouped by op, one call per op, original order restored): within 1 level, through all the
-    layers. Kernels (crops by kernels.crop_resize, flips, each layer four launches of kernels.rand_augment): the
+    layers. Kernels (crops by crop_resize, flips, each layer four launches of rand_augment): the
     transform's batch is exactly that chain, and each layer is within 1 level of apply_op on its input (checked
     per layer: a 1-level difference can move a later lookup table or threshold by more)."""
-    from kernels.crop_resize import crop_resize
-    from kernels.rand_augment import augment_layer
+    from swin.data.gpu.crop_resize import crop_resize
+    from swin.data.gpu.rand_augment import augment_layer
     spec = ga.TrainSpec(size=(64, 64), interpolation="random",
                         rand_augment=ga.parse_rand_augment("rand-m9-n3-p0.9-mstd0.5-inc1"))
     device = torch.device("cuda" if kernels and torch.cuda.is_available() else "cpu")  # else the interpreter's
@@ -619,12 +614,12 @@ def test_augment_layers_apply_each_images_own_ops(photos, kernels, monkeypatch):
 
 
 def test_rand_augment_kernel_layer_matches_each_op(photos):
-    """kernels.rand_augment: one layer over a batch whose images drew different ops (every op, random magnitudes and
+    """rand_augment: one layer over a batch whose images drew different ops (every op, random magnitudes and
     signs, a flat image for the degenerate cases of autocontrast and equalize) against apply_op per image: integer
     ops, lookup tables and autocontrast equal, enhancements within 1 level, bilinear and bicubic affine ops within 1
     level (the sample positions may differ in the last bit, which moves a value that lands on an integer, as all do
     on the flat image, by one truncated level), nearest ones on all but a few pixels (_layer_levels)."""
-    from kernels.rand_augment import augment_layer
+    from swin.data.gpu.rand_augment import augment_layer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rng = _rng()
     crops = [p.resize((96, 80)) for p in photos[:4]] + [Image.new("RGB", (96, 80), (90, 90, 200))]
@@ -659,7 +654,7 @@ def test_color_jitter_matches_torchvision_in_each_images_order(photos, kernels):
     torchvision's PIL adjust_* functions applied in that order with those factors (on the transform's own crops)."""
     from torchvision.transforms import functional as TF
 
-    from kernels.crop_resize import crop_resize
+    from swin.data.gpu.crop_resize import crop_resize
     spec = ga.TrainSpec(size=(72, 72), hflip=0.0, color_jitter=(0.4, 0.4, 0.4))
     tf = ga.TrainTransform(spec, kernels=kernels)
     device = "cuda" if kernels and torch.cuda.is_available() else "cpu"  # else the interpreter's
@@ -862,7 +857,7 @@ def test_gpu_decode_workers_get_an_indexed_device_and_spawn(monkeypatch, tmp_pat
     """device=auto gives torch.device("cuda") without an index: a worker calls torch.cuda.set_device, which refuses
     that; and CUDA cannot be used in a forked worker, so GPU-decoding loaders spawn theirs (and pin nothing when
     decoding in the training process, where the batches are on the device already)."""
-    from swin.data import _worker_settings
+    from swin.data.loaders import _worker_settings
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert ga.indexed("cuda") == torch.device("cuda", 3) and ga.indexed("cuda:1") == torch.device("cuda", 1)
     assert ga.indexed("cpu") == torch.device("cpu")
@@ -890,8 +885,8 @@ def test_gpu_decode_workers_say_when_no_mps_daemon_runs(monkeypatch, tmp_path, c
     """Without MPS the GPU time-slices the decoding workers' CUDA contexts with training (1.64x the step time beside
     8 of them on the H100, 1.01x under MPS): each such loader says so, naming the fix, and stays quiet under MPS
     (its pid file in CUDA_MPS_PIPE_DIRECTORY)."""
-    from swin.data import _worker_settings
-    from swin.gpu_data import mps_running
+    from swin.data.gpu.decode import mps_running
+    from swin.data.loaders import _worker_settings
     (tmp_path / "data" / "c0").mkdir(parents=True)
     (tmp_path / "data" / "c0" / "a.JPEG").write_bytes(b"never read")
     ds = EncodedImageFolder(tmp_path / "data", ga.TrainTransform(ga.TrainSpec((8, 8))), skip_corrupt=False)
@@ -1012,7 +1007,7 @@ def test_gpu_nvjpeg_matches_cpu_decoding(photos):
         else:
             diff = ((g.float() * luma).sum(0) - (c.float() * luma).sum(0)).abs().mean()
             assert diff < 1, (k, kind, diff)
-    # the training process decodes in calls of a few files (swin.gpu_data.files_per_call): the same pixels
+    # the training process decodes in calls of a few files (swin.data.gpu.decode.files_per_call): the same pixels
     for per_call in (1, FILES_PER_CALL_BESIDE_STEP):
         decoder = JpegDecoder(torch.device("cuda"), skip_corrupt=False)
         tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
@@ -1024,11 +1019,11 @@ def test_gpu_nvjpeg_matches_cpu_decoding(photos):
 
 @pytest.mark.gpu
 def test_gpu_jpeg_engines_match_torchvision_and_leave_progressive_files_to_it(photos, tmp_path):
-    """swin.nvjpeg's decoder on the GPU's JPEG engines (the decoding thread's) against torchvision's nvJPEG: the
+    """nvjpeg's decoder on the GPU's JPEG engines (the decoding thread's) against torchvision's nvJPEG: the
     same pixels for baseline files (4:2:0, 4:2:2, 4:4:4, grey), in calls of FILES_PER_CALL_BESIDE_STEP and of the
     rest, with the sizes engines_take reads from the headers; a progressive file is not one the engines take, and
     JpegDecoder decodes a call holding one with torchvision instead: the batch equals torchvision's, file for file."""
-    from swin.nvjpeg import open_hardware_decoder
+    from swin.data.gpu.nvjpeg import open_hardware_decoder
     engines = open_hardware_decoder(torch.device("cuda"), FILES_PER_CALL_BESIDE_STEP)
     if engines is None:
         pytest.skip("this GPU has no JPEG engines (or no libnvjpeg)")
@@ -1076,11 +1071,11 @@ def test_device_collate_sends_no_cuda_objects_to_workers():
 @pytest.mark.gpu
 def test_gpu_jpeg_engines_ycbcr_planes_crop_like_nvjpeg_rgb(photos, tmp_path):
     """YUV output of the JPEG engines (4:2:0, 4:2:2, 4:4:4 files, odd sizes): the planes nvJPEG reports, and crops
-    of them (kernels.crop_resize converting to RGB) close to the same crops of nvJPEG's RGB. Through DeviceCollate
+    of them (swin.data.gpu.crop_resize converting to RGB) close to the same crops of nvJPEG's RGB. Through DeviceCollate
     with a ycbcr TrainSpec, a batch mixing those files with grey and progressive ones (decoded in RGB by
     torchvision) comes out like the RGB pipeline's, image for image."""
-    from kernels.crop_resize import YCbCrImage, crop_resize
-    from swin.nvjpeg import open_hardware_decoder
+    from swin.data.gpu.crop_resize import YCbCrImage, crop_resize
+    from swin.data.gpu.nvjpeg import open_hardware_decoder
     engines = open_hardware_decoder(torch.device("cuda"), 6, ycbcr=True)
     if engines is None:
         pytest.skip("this GPU has no JPEG engines (or no libnvjpeg)")
@@ -1126,7 +1121,7 @@ def test_gpu_transforms_match_the_cpu_on_identical_inputs(photos):
     """The same plan on the same decoded images, on CUDA (kernels) and on the CPU (PyTorch ops): the crops within 1
     level on under 1% of values, each RandAugment layer from the same input within 1 level (nearest affine: but a
     few pixels), the whole chain close (1-level differences compound through later thresholds and tables)."""
-    from kernels.crop_resize import crop_resize
+    from swin.data.gpu.crop_resize import crop_resize
     images = _decode_cpu([_jpeg(p) for p in photos]) * 4
     spec = ga.TrainSpec(size=(224, 224), interpolation="random",
                         rand_augment=ga.parse_rand_augment("rand-m9-n3-p0.9-mstd0.5-inc1"))
@@ -1181,7 +1176,7 @@ def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path, work
     (same order, seeds and plans) up to nvJPEG-vs-libjpeg differences: evaluation batches' per-image mean and
     standard deviation within 2 levels, RandAugment batches within 12 (posterize and solarize thresholds amplify
     1-level decode differences)."""
-    from swin.data import build_loaders
+    from swin.data.loaders import build_loaders
     root = tmp_path / "train"
     for k in range(48):
         d = root / f"c{k % 4}"

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from swin.distributed import MASTER_PORTS, export_job_environment, job_environment
+from swin.train.distributed import MASTER_PORTS, export_job_environment, job_environment
 
 TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -2,7 +2,7 @@
 (kernels.merge_norm), in inference.
 
 CPU (CI, the kernel in the Triton interpreter): the op against float64 x + delta -> pad -> merge -> LayerNorm, odd
-sizes included; its errors for bad input; the model with the CPU added to swin.model.MERGE_NORM_DEVICES gives the
+sizes included; its errors for bad input; the model with the CPU added to MERGE_NORM_DEVICES gives the
 unfused logits (eager and compiled with fullgraph=True) and calls the op once per merge, while training, V2 and the
 flag turned off never call it; the flag round-trips through create_model and the Hydra model config.
 GPU (``-m gpu`` / ``-k gpu``): half-precision errors no larger than the unfused path's; the compiled bf16 Swin-T
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from test_mlp_act import OpLog  # counts the ops a region dispatches
 
 import swin
-import swin.model as swin_model
+import swin.models.swin_transformer as swin_model
 from kernels.merge_norm import merge_norm
 
 OP = "merge_norm"
@@ -155,8 +155,8 @@ def test_flag_round_trips():
     """On by default; create_model(fused_merge_norm=False) and model.fused_merge_norm (Hydra) turn it off."""
     from _train_utils import make_cfg  # Hydra: imported here, the GPU tests do without it
 
-    from swin.distributed import DistInfo
-    from swin.engine import _build_model
+    from swin.train.distributed import DistInfo
+    from swin.train.setup import _build_model
 
     assert swin.create_model("swin_micro").fused_merge_norm is True
     assert swin.create_model("swin_micro", fused_merge_norm=False).fused_merge_norm is False

@@ -1,8 +1,8 @@
-"""fused_mlp_act: fc1 + GELU as one GEMM with cuBLASLt's GELU epilogue (swin.model.fc1_gelu_epilogue).
+"""fused_mlp_act: fc1 + GELU as one GEMM with cuBLASLt's GELU epilogue (swin.models.swin_transformer.fc1_gelu_epilogue).
 
 CPU (CI): the epilogue never runs on the CPU, in float32 or with gradients; the model's logits and gradients are the
 unfused model's exactly; the flag round-trips through create_model, set_fused_mlp_act and the Hydra model config.
-With the CPU added to swin.model.EPILOGUE_DEVICES (there torch._addmm_activation is addmm then exact GELU) the
+With the CPU added to EPILOGUE_DEVICES (there torch._addmm_activation is addmm then exact GELU) the
 path's own logic runs: which inputs take it, autocast's casts, shapes, and tracing with fullgraph=True.
 GPU (``-m gpu`` / ``-k gpu``): the epilogue's error against float64 exact GELU(fc1(x)) is the unfused half path's,
 at op level and for the compiled Swin-T, whose generated code calls it and runs no stand-alone GELU kernel.
@@ -17,8 +17,8 @@ from _inductor_code import triton_kernels
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import swin
-import swin.model as swin_model
-from swin.model import fc1_gelu_epilogue
+import swin.models.swin_transformer as swin_model
+from swin.models.swin_transformer import fc1_gelu_epilogue
 
 EPILOGUE_OP = "_addmm_activation"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -83,8 +83,8 @@ def test_flag_round_trips():
     from _train_utils import make_cfg  # Hydra: imported here, the GPU tests do without it
     from omegaconf import OmegaConf
 
-    from swin.distributed import DistInfo
-    from swin.engine import _build_model
+    from swin.train.distributed import DistInfo
+    from swin.train.setup import _build_model
 
     def flags(model: nn.Module) -> set[bool]:
         return {b.fused_mlp_act for stage in model.layers for b in stage.blocks}

@@ -4,7 +4,7 @@ import timm
 import torch
 
 import swin
-from swin.windows import WindowSpec, merge_unpad_unshift, shift_pad_partition, shifted_window_mask
+from swin.models.windows import WindowSpec, merge_unpad_unshift, shift_pad_partition, shifted_window_mask
 
 CASES = [
     # (timm name, overrides, batch)

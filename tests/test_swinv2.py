@@ -12,7 +12,7 @@ from test_model import assert_same_logits_and_grads, rel_err, skip_if_timm_floor
 from timm.models import swin_transformer_v2 as timm_v2
 
 import swin
-from swin.checkpoint import load_pretrained
+from swin.models.pretrained import load_pretrained
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = "swinv2_tiny_window8_256"

@@ -49,7 +49,7 @@ def test_resume_mid_epoch_gives_the_uninterrupted_result(tmp_path, monkeypatch):
     args = [*DET, "train.save_every_steps=4"]  # 6 steps/epoch: saves at global steps 4 and 8
     train_inprocess(tmp_path / "ref", *args)
     run = tmp_path / "run"
-    monkeypatch.setattr("swin.engine.create_model", CrashOrNaN(crash_at=11))  # dies in epoch 2, step 5
+    monkeypatch.setattr("swin.train.setup.create_model", CrashOrNaN(crash_at=11))  # dies in epoch 2, step 5
     with pytest.raises(RuntimeError, match="simulated crash"):
         train_inprocess(run, *args)
     state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
@@ -66,12 +66,12 @@ def test_resume_mid_epoch_gives_the_uninterrupted_result(tmp_path, monkeypatch):
 def test_stop_signal_saves_at_next_check_point_and_same_command_finishes(tmp_path, monkeypatch):
     """SIGUSR2 (SLURM's warning before the time limit) outside a cluster job: last.pt at the next check point, a
     Preempted stop, and the same command ends with exactly the weights of an uninterrupted run."""
-    from swin.preemption import Preempted
+    from swin.train.preemption import Preempted
 
     args = [*DET, "logger.log_every_steps=2"]  # 6 steps/epoch; check points every 2 updates and at epoch ends
     train_inprocess(tmp_path / "ref", *args)
     run = tmp_path / "run"
-    monkeypatch.setattr("swin.engine.create_model", SignalAt(call=8, signum=signal.SIGUSR2))  # epoch 2, step 2
+    monkeypatch.setattr("swin.train.setup.create_model", SignalAt(call=8, signum=signal.SIGUSR2))  # epoch 2, step 2
     with pytest.raises(Preempted, match=r"SIGUSR2 received .* after 1 epoch\(s\) \+ 2 step\(s\)"):
         train_inprocess(run, *args)
     state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
@@ -163,7 +163,7 @@ def test_mixed_precision_trains(tmp_path, amp):
 
 def test_runs_without_wandb_installed(tmp_path, monkeypatch):
     """The GPU machine has no wandb: disabled and offline modes still train; online fails up front."""
-    from swin.engine import ConfigError
+    from swin.config import ConfigError
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
     args = [*DET, "train.epochs=1"]
     assert train_inprocess(tmp_path / "off", *args, "logger.wandb.mode=offline")["epochs"] == 1
@@ -203,7 +203,7 @@ def test_imagenet_recipe_on_an_image_folder(tmp_path):
 
 
 def test_compile_mode_is_checked_before_training():
-    from swin.engine import ConfigError, check_config
+    from swin.train.checks import ConfigError, check_config
     cfg = make_cfg("train.compile=true", "train.compile_mode=fastest")
     with pytest.raises(ConfigError, match="train.compile_mode='fastest': use one of default, reduce-overhead"):
         check_config(cfg, 1, torch.device("cpu"))

@@ -5,8 +5,8 @@ import pytest
 import torch
 from _train_utils import DET, SMALL, CrashOrNaN, image_folder, make_cfg, model_weights, run_cli, train_inprocess
 
-from swin.data import CorruptImageError
-from swin.engine import ConfigError, NonFiniteLossError, train
+from swin.data.folder import CorruptImageError
+from swin.train.loop import ConfigError, NonFiniteLossError, train
 
 
 def _all_finite(state_dict):
@@ -14,7 +14,7 @@ def _all_finite(state_dict):
 
 
 def test_non_finite_loss_skips_the_step_and_counts_it(tmp_path, monkeypatch):
-    monkeypatch.setattr("swin.engine.create_model", CrashOrNaN(nan_calls={2, 5, 9}))
+    monkeypatch.setattr("swin.train.setup.create_model", CrashOrNaN(nan_calls={2, 5, 9}))
     summary = train_inprocess(tmp_path, *DET)
     assert summary["nonfinite_steps"] == 3 and summary["epochs"] == 2
     # had a NaN update gone through, the weights would be NaN (and the save would have refused)
@@ -23,7 +23,7 @@ def test_non_finite_loss_skips_the_step_and_counts_it(tmp_path, monkeypatch):
 
 
 def test_non_finite_losses_in_a_row_stop_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr("swin.engine.create_model", CrashOrNaN(nan_from=4))
+    monkeypatch.setattr("swin.train.setup.create_model", CrashOrNaN(nan_from=4))
     with pytest.raises(NonFiniteLossError, match=r"3 updates in a row.*train.lr"):
         train_inprocess(tmp_path, *DET, "train.max_nonfinite=3", "train.save_every_steps=1")
     saved = list((tmp_path / "checkpoints").glob("*.pt"))

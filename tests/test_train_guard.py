@@ -1,4 +1,4 @@
-"""The device-side non-finite guard (swin.guard) through the real training step: a non-finite gradient or
+"""The device-side non-finite guard (swin.train.guard) through the real training step: a non-finite gradient or
 loss skips the update (weights, optimizer state, EMA unchanged) and is counted; and on a GPU the
 steady-state step never synchronises with the host."""
 from __future__ import annotations
@@ -10,8 +10,10 @@ import pytest
 import torch
 from _train_utils import DET, FAST, make_cfg, model_weights, train_inprocess
 
-from swin.distributed import DistInfo
-from swin.engine import EpochClock, NonFiniteLossError, setup, train_step
+from swin.train.distributed import DistInfo
+from swin.train.loop import EpochClock, NonFiniteLossError
+from swin.train.setup import setup
+from swin.train.step import train_step
 
 
 def _setup(tmp_path, *overrides: str, device: str = "cpu", base: tuple[str, ...] = tuple(DET)):
@@ -130,7 +132,7 @@ class NaNGradModel:
 
 
 def test_nan_gradients_in_a_run_are_skipped_counted_and_logged(tmp_path, monkeypatch):
-    monkeypatch.setattr("swin.engine.create_model", NaNGradModel(nan_calls={3, 7}))
+    monkeypatch.setattr("swin.train.setup.create_model", NaNGradModel(nan_calls={3, 7}))
     summary = train_inprocess(tmp_path, *DET)
     assert summary["nonfinite_steps"] == 2 and summary["epochs"] == 2
     assert all(torch.isfinite(v).all() for v in model_weights(tmp_path / "checkpoints/last.pt").values())
@@ -143,7 +145,7 @@ def test_nan_gradients_in_a_run_are_skipped_counted_and_logged(tmp_path, monkeyp
 
 
 def test_nan_gradients_in_a_row_stop_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr("swin.engine.create_model", NaNGradModel(nan_from=1))
+    monkeypatch.setattr("swin.train.setup.create_model", NaNGradModel(nan_from=1))
     with pytest.raises(NonFiniteLossError, match=r"non-finite for 3 updates in a row"):
         train_inprocess(tmp_path, *DET, "train.max_nonfinite=2", "logger.log_every_steps=3")
     # counters are read after an epoch's first update and at log lines (every 3 updates): the run stops at
@@ -156,7 +158,7 @@ def test_nan_gradients_in_a_row_stop_the_run(tmp_path, monkeypatch):
 def test_a_streak_that_ended_between_two_reads_still_stops_the_run(tmp_path, monkeypatch):
     """Updates 2-5 non-finite, 6 fine: the read at the epoch's end (update 6) sees no streak now, but the device
     kept the longest one since the previous read (update 1), 4 >= train.max_nonfinite."""
-    monkeypatch.setattr("swin.engine.create_model", NaNGradModel(nan_calls={2, 3, 4, 5}))
+    monkeypatch.setattr("swin.train.setup.create_model", NaNGradModel(nan_calls={2, 3, 4, 5}))
     with pytest.raises(NonFiniteLossError, match=r"non-finite for 4 updates in a row \(train.max_nonfinite=4\)"):
         train_inprocess(tmp_path, *DET, "train.max_nonfinite=4", "logger.log_every_steps=50")
     text = (tmp_path / "train.log").read_text()
@@ -209,7 +211,7 @@ def test_ema_updater_matches_timm_model_ema_and_skips_on_the_device():
     """EmaUpdater = timm's ModelEmaV3.update (decay schedule, buffers) for kept steps, no change for skipped ones."""
     from timm.utils import ModelEmaV3
 
-    from swin.guard import EmaUpdater
+    from swin.train.guard import EmaUpdater
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     ours, ref = ModelEmaV3(model, decay=0.9), ModelEmaV3(model, decay=0.9)
     updater = EmaUpdater(ours, model)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from swin import train_state as ts
+from swin.train import checkpoint as ts
 
 
 def _state(value: float) -> dict:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .distributed import all_reduce_sum, barrier
+from swin.train.distributed import all_reduce_sum, barrier
 
 log = logging.getLogger("swin.train")
 

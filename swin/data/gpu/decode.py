@@ -1,5 +1,5 @@
 """``data.decode=gpu``: the loader worker processes read the JPEG files, decode whole batches with nvJPEG
-(``torchvision.io.decode_jpeg(list, device="cuda")``) and augment them on the GPU (swin.gpu_augment); the training
+(``torchvision.io.decode_jpeg(list, device="cuda")``) and augment them on the GPU (swin.data.gpu.augment); the training
 process receives uint8 batches like those of CPU decoding and normalises them on the device (swin.data.DeviceLoader).
 
 Why: per image, PIL decoding a ~110 KB JPEG plus RandomResizedCrop and RandAugment costs several milliseconds of CPU
@@ -9,7 +9,7 @@ of small kernels, ~45 ms of host time per batch of 128 (H100 host, docs/benchmar
 time shares the GIL with the training loop (measured: training at 0.49x of its speed on synthetic data) and one
 process decodes at most ~6,400 img/s however many threads it uses. Each worker has its own CUDA context (spawned, as
 CUDA requires); the batch goes to the training process in a slot of a ring of buffers it made once
-(swin.batch_ring), in pinned host memory (data.batch_ring=host, the default) or in the GPU's memory (opened by each
+(batch_ring), in pinned host memory (data.batch_ring=host, the default) or in the GPU's memory (opened by each
 worker over CUDA IPC when it starts; data.batch_ring=gpu), and only the slot's number travels: a new CUDA tensor
 shared per batch would synchronise its receiver when freed.
 
@@ -52,12 +52,11 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from kernels.crop_resize import YCbCrImage
-
-from .batch_ring import BatchRing, RingSlot
-from .data import CheckedImageFolder, readable, unreadable_image
-from .gpu_augment import EvalTransform, PackedImages, TrainTransform, indexed
-from .nvjpeg import HardwareJpegDecoder, open_hardware_decoder
+from swin.data.folder import CheckedImageFolder, readable, unreadable_image
+from swin.data.gpu.augment import EvalTransform, PackedImages, TrainTransform, indexed
+from swin.data.gpu.batch_ring import BatchRing, RingSlot
+from swin.data.gpu.crop_resize import YCbCrImage
+from swin.data.gpu.nvjpeg import HardwareJpegDecoder, open_hardware_decoder
 
 # torchvision 0.29 deprecates its image codecs in favour of TorchCodec (they still work, and 0.26 on the GPU
 # machine has no warning); one warning per decode call would flood the log
@@ -175,7 +174,7 @@ def decode_on_cpu(data: bytes) -> torch.Tensor:
 # --- workers -----------------------------------------------------------------------------------------------------
 class EncodedImageFolder(CheckedImageFolder):
     """An ImageFolder listing whose samples are ``(file bytes, label, path, index)``, or ``(decoded image, label,
-    path, index)`` for files nvJPEG cannot decode. ``device_transform`` (swin.gpu_augment) is what the loader
+    path, index)`` for files nvJPEG cannot decode. ``device_transform`` (swin.data.gpu.augment) is what the loader
     applies on the device after decoding. Unreadable files raise an error naming the file, or (``skip_corrupt``)
     give None."""
 
@@ -289,7 +288,7 @@ def files_per_call(device: torch.device) -> int:
 
 class JpegDecoder:
     """Decodes an :class:`EncodedBatch` on ``device``: batched calls of ``files_per_call`` files (0: all in one), by
-    the GPU's JPEG engines (``engines``, swin.nvjpeg) the files they take, the others by torchvision's nvJPEG; if a
+    the GPU's JPEG engines (``engines``, nvjpeg) the files they take, the others by torchvision's nvJPEG; if a
     call fails, each of its images alone, and the CPU for those nvJPEG rejects. The engines are the decoding
     thread's (DecodeThread sets them, RGB output), or with ``ycbcr`` opened on the first CUDA call (YUV output:
     training batches, whose crop kernels convert the planes to RGB; where the GPU has no engines, torchvision's RGB).
@@ -300,7 +299,7 @@ class JpegDecoder:
 
     def __init__(self, device: torch.device, skip_corrupt: bool, ycbcr: bool = False):
         self.device, self.skip_corrupt, self.ycbcr = torch.device(device), skip_corrupt, ycbcr
-        self.engines: HardwareJpegDecoder | None = None  # the GPU's JPEG engines (swin.nvjpeg)
+        self.engines: HardwareJpegDecoder | None = None  # the GPU's JPEG engines (swin.data.gpu.nvjpeg)
         self._stream: torch.cuda.Stream | None = None
         self.engines_opened = False  # (once, in the process that decodes)
 
@@ -400,9 +399,9 @@ class JpegDecoder:
 
 class DeviceCollate:
     """The ``collate_fn`` of data.decode=gpu loaders: a batch of :class:`EncodedImageFolder` samples decoded on
-    ``device`` and transformed there (``transform``: swin.gpu_augment's TrainTransform or EvalTransform), as
+    ``device`` and transformed there (``transform``: swin.data.gpu.augment's TrainTransform or EvalTransform), as
     ``(uint8 images, targets, dropped files, paths decoded on the CPU)``; swin.data.DeviceLoader normalises and
-    counts them. In a worker process the images go to the training process in a slot of ``ring`` (swin.batch_ring,
+    counts them. In a worker process the images go to the training process in a slot of ``ring`` (batch_ring,
     in shared host or GPU memory: images and targets; the batch's first element is then its RingSlot, the second
     None), else in a new shared host tensor per batch; in the training process itself (num_workers=0) they stay on
     the device.
@@ -421,7 +420,7 @@ class DeviceCollate:
         images, targets, skipped, on_cpu = self.transform_batch(collate_encoded(samples))
         if get_worker_info() is None:
             return images, targets, skipped, on_cpu
-        if self.ring is not None:  # the images and targets travel in a slot of the ring (swin.batch_ring)
+        if self.ring is not None:  # the images and targets travel in a slot of the ring (swin.data.gpu.batch_ring)
             return self.ring.put(images, targets), None, skipped, on_cpu
         if images.device.type != "cpu":
             # into shared memory directly (sending a worker's tensor moves it there otherwise: one more copy)
@@ -453,7 +452,7 @@ class DeviceCollate:
 
 class DecodeThread:
     """``data.gpu_decode_thread=true``: the loader's workers only read files (``collate_fn=collate_encoded``); two
-    threads of the training process decode (DeviceCollate.decode; the GPU's JPEG engines through swin.nvjpeg where
+    threads of the training process decode (DeviceCollate.decode; the GPU's JPEG engines through nvjpeg where
     it has them) and transform (DeviceCollate.augment) each batch, overlapped, each on a CUDA stream of its own
     (``data.augment=gpu`` with CPU decoding: the workers decode, ``collate_fn=collate_decoded``, and the first thread
     only copies each packed batch to the device). The

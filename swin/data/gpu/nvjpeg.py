@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.crop_resize import YCbCrImage
+from swin.data.gpu.crop_resize import YCbCrImage
 
 BACKEND_DEFAULT, BACKEND_HARDWARE = 0, 3
 # planar outputs, plane c at channel[c] with pitch[c]: the file's own YCbCr planes (chroma subsampled as stored; the
@@ -163,13 +163,13 @@ def _library() -> ctypes.CDLL | None:
 
 class HardwareJpegDecoder:
     """Lists of JPEG files decoded by the GPU's JPEG engines, one :class:`BatchedDecoder` per call size (nvJPEG fixes
-    it at initialisation). The caller gives each file's plane sizes (swin.gpu_data.engine_planes: luma, then chroma)
+    it at initialisation). The caller gives each file's plane sizes (decode.engine_planes: luma, then chroma)
     and sends only files the engines take (baseline; with YUV output three components; asking nvJPEG per file would
     parse each whole file on the host). Waits for each call on the current stream (the configuration measured
     beside the training step), so that the files may be freed after it. One thread at a time.
 
     Output: (3, H, W) uint8 RGB tensors, or with ``ycbcr`` each file's YCbCr planes as stored
-    (kernels.crop_resize.YCbCrImage), which the crop kernels convert: no nvJPEG conversion kernel per image."""
+    (swin.data.gpu.crop_resize.YCbCrImage), which the crop kernels convert: no nvJPEG conversion kernel per image."""
 
     def __init__(self, lib: ctypes.CDLL, first: BatchedDecoder):
         self.lib, self.decoders, self.ycbcr = lib, {first.batch: first}, first.output == OUTPUT_YUV

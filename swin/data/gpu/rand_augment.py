@@ -13,7 +13,7 @@ image's op id and arguments are read from a table by the kernel:
 2. ``layer_apply_kernel``, programs of APPLY_BLOCK pixels of one image (BLOCK in the interpreter): the op,
    pointwise or (Sharpness, the affine ops) from neighbouring / sampled source pixels, all three channels.
 
-The arithmetic follows the per-op PyTorch reference (swin.gpu_augment.apply_op, which follows timm's PIL ops):
+The arithmetic follows the per-op PyTorch reference (swin.data.gpu.augment.apply_op, which follows timm's PIL ops):
 integer ops and lookup tables exactly; enhancements as fp32 blends truncated to uint8; rotations, shears and
 translations as ``F.affine_grid`` + ``F.grid_sample`` (align_corners=False, border padding, bicubic a = -0.75,
 nearest rounds half to even) with sources outside the image taking the fill colour. The affine sample positions
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import interpreting, launch_direct
+from kernels.ops import interpreting, launch_direct
 
 # op ids (the table's values); the three affine ids differ in their resampling filter
 (AUTOCONTRAST, EQUALIZE, INVERT, POSTERIZE, SOLARIZE, SOLARIZE_ADD, COLOR, CONTRAST, BRIGHTNESS, SHARPNESS,

@@ -20,9 +20,8 @@ from timm.layers import ClassifierHead, DropPath, Mlp, PatchEmbed, to_2tuple, tr
 from torch.utils.checkpoint import checkpoint
 
 from kernels.merge_norm import merge_norm
-
-from .attention import WindowAttentionArgs, get_backend
-from .windows import (
+from swin.models.attention import WindowAttentionArgs, get_backend
+from swin.models.windows import (
     WindowSpec,
     clamp_window_and_shift,
     log_spaced_relative_coords,
@@ -76,7 +75,7 @@ def fc1_gelu_epilogue(x: torch.Tensor, fc1: nn.Linear, act: nn.Module) -> torch.
 
 
 class WindowAttentionBase(nn.Module, abc.ABC):
-    """Multi-head self attention inside (shifted) windows through a switchable backend (swin.attention).
+    """Multi-head self attention inside (shifted) windows through a switchable backend (swin.models.attention).
 
     Subclasses say what the backend computes: :meth:`backend_inputs` returns the qkv projection in image
     layout and the :class:`WindowAttentionArgs` for softmax(scale q k^T + bias + mask) v."""

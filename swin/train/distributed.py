@@ -13,6 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -164,3 +165,10 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, buf.getvalue())
     return [torch.load(io.BytesIO(b), weights_only=False) for b in out]  # from our own processes
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, NumPy's and torch's generators from one seed (the run's seed plus the rank: per-rank streams)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -28,9 +28,14 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+
 # torch.optim classes whose fused kernels read `found_inf` (and keep their state unchanged when it is 1).
 # Fused SGD is left out: on its very first step it allocates momentum buffers with empty_like and would
 # keep that garbage if the step were skipped.
+class NonFiniteLossError(RuntimeError):
+    """Too many non-finite losses (or gradients) in a row (train.max_nonfinite)."""
+
+
 FOUND_INF_FUSED = (torch.optim.Adam, torch.optim.AdamW)
 
 

@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import interpreting, launch_direct
+from kernels.ops import interpreting, launch_direct
 
-# per-image mode ids (swin.gpu_augment.MODES order)
+# per-image mode ids (swin.data.gpu.augment.MODES order)
 BILINEAR, BICUBIC, NEAREST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # int64 per plane (image k's channel c at row 3k + c): its offset from the source pointer and row pitch (elements);
 # the crop's window in the plane (first row and column, rows and columns it touches); the mode; where its rows

@@ -1,13 +1,13 @@
-"""Training and evaluation transforms of whole batches on the device, for ``data.decode=gpu`` (swin.gpu_data).
+"""Training and evaluation transforms of whole batches on the device, for ``data.decode=gpu`` (swin.data.gpu.decode).
 
 The CPU path (timm's ``create_transform`` in the loader workers) transforms one PIL image at a time. Here the
 host draws every random choice of a batch at once (numpy, a generator seeded per batch): RandomResizedCrop boxes,
 flips, and for each image its RandAugment ops and magnitudes (or colour-jitter factors). The device then
 
 1. crops and resizes every decoded image to the model's size (the images have different sizes), antialiased as PIL
-   resizes, rounded to uint8 as PIL stores it, and mirrors the images drawn for a flip: kernels.crop_resize, two
+   resizes, rounded to uint8 as PIL stores it, and mirrors the images drawn for a flip: swin.data.gpu.crop_resize, two
    launches for the batch (the PyTorch path flips the uint8 batch after the crops);
-2. runs each augmentation layer over the whole batch in four launches (kernels.rand_augment: each image's op and
+2. runs each augmentation layer over the whole batch in four launches (swin.data.gpu.rand_augment: each image's op and
    arguments come from a table).
 
 The same steps in PyTorch ops (``TrainTransform(kernels=False)``, the default on the CPU without the Triton
@@ -32,9 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.crop_resize import YCbCrImage, crop_resize, crop_resize_packed
 from kernels.ops import interpreting
-from kernels.rand_augment import (
+from swin.data.gpu.crop_resize import YCbCrImage, crop_resize, crop_resize_packed
+from swin.data.gpu.rand_augment import (
     AFFINE_BICUBIC,
     AFFINE_BILINEAR,
     AFFINE_NEAREST,
@@ -60,7 +60,7 @@ _MODE_OF = {"bilinear": 0, "bicubic": 1, "nearest": 2}
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest", "random")
 
 # Device op ids and their arguments (ARGS floats per image and layer: a factor / threshold / mask in [0], or a 2x3
-# affine matrix) are the fused kernel's (kernels.rand_augment). The PyTorch path sorts a layer's images by op id, so
+# affine matrix) are the fused kernel's (rand_augment). The PyTorch path sorts a layer's images by op id, so
 # every op works on one contiguous slice; the three affine ids (one per grid_sample mode) hold rotations, shears and
 # translations as per-image matrices.
 _AFFINE_MODES = {AFFINE_BILINEAR: "bilinear", AFFINE_BICUBIC: "bicubic", AFFINE_NEAREST: "nearest"}
@@ -503,7 +503,7 @@ def resized_crops(images: Sequence[torch.Tensor], boxes: np.ndarray, modes: np.n
                   size: tuple[int, int]) -> torch.Tensor:
     """Crop ``boxes`` (top, left, height, width) out of each (3, H_i, W_i) uint8 image and resize to ``size``
     (antialiased like PIL, except nearest): a (B, 3, *size) uint8 batch, rounded. One F.interpolate per image: the
-    PyTorch path and the reference of kernels.crop_resize (TrainTransform's kernels, which do the batch in two
+    PyTorch path and the reference of swin.data.gpu.crop_resize (TrainTransform's kernels, which do the batch in two
     launches; on the H100 within 1 level of this on under 1% of values: test_gpu_crop_resize_matches_...)."""
     out = []
     for img, (top, left, h, w), m in zip(images, boxes.tolist(), modes.tolist()):
@@ -555,7 +555,7 @@ class TrainTransform:
     images' device. ``plan`` draws the random choices on the host; ``apply`` runs them; ``to(device)`` makes the
     constants once (a tensor made from host values inside the loop would synchronise with the device).
 
-    ``kernels``: the crops in kernels.crop_resize and each augmentation layer in kernels.rand_augment, a handful of
+    ``kernels``: the crops in crop_resize and each augmentation layer in rand_augment, a handful of
     launches per batch (CUDA, or the CPU under the Triton interpreter: the default there), instead of per-image
     F.interpolate calls and per-op slices (~120 launches, ~25 ms of host time per batch of 128 on the H100
     machine; the PyTorch path, the reference the kernels are tested against)."""

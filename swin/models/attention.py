@@ -13,7 +13,7 @@ Every backend is a function with the same signature::
 Taking image layout lets a backend fold shift, padding and partition into its own addressing
 (``flash_window``) while the reference backends do them with explicit tensor ops. Swin V2's scaled cosine
 attention reaches the backends as the raw projection with ``args.cosine_scale`` set (exp of the clamped logit
-scale per head), scale 1 and the continuous position bias as the table (``swin.model.CosineWindowAttention``):
+scale per head), scale 1 and the continuous position bias as the table (``CosineWindowAttention``):
 each backend normalises q and k and multiplies q by the scale, the flash kernel on chip.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .windows import WindowSpec, merge_unpad_unshift, shift_pad_partition
+from swin.models.windows import WindowSpec, merge_unpad_unshift, shift_pad_partition
 
 
 class WindowAttentionArgs(NamedTuple):
@@ -107,7 +107,7 @@ def sdpa_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor
 
 def flash_window_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor:
     """The Triton flash window attention kernel (kernels/), shift and partition folded in. It takes the bias table
-    itself and gathers it with timm's relative index (the one swin.windows.relative_position_index builds), and reads
+    itself and gathers it with timm's relative index (the one windows.relative_position_index builds), and reads
     only the four windows of the shifted-window mask that stand for all the others."""
     from kernels.flash_window import flash_window_attention_image
     spec = args.spec
@@ -146,3 +146,14 @@ def get_backend(name: str) -> Backend:
     except KeyError:
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}") from None
+
+
+def check_backend(name: str, device: torch.device | str) -> None:
+    """ValueError, naming the fix, for a backend that is unknown or cannot run on ``device`` (flash_window needs
+    CUDA: its Triton kernel does not run on the CPU)."""
+    get_backend(name)
+    device = torch.device(device)
+    if name == "flash_window" and device.type != "cuda":
+        raise ValueError(f"model.attention=flash_window needs a CUDA GPU (its Triton kernel does not run on the "
+                         f"{device.type}); use model.attention=auto (flash_window on GPUs, sdpa elsewhere) or "
+                         "model.attention=sdpa")

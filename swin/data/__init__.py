@@ -1,0 +1,1 @@
+"""Datasets, transforms and loaders that deliver normalised batches on the training device."""

@@ -1,0 +1,1 @@
+"""The Swin network: blocks, window attention backends, window geometry, named configs, weights."""

@@ -1,0 +1,117 @@
+"""Checks of a training config, run once at start: a value that cannot work stops the run with one line
+naming the key and the fix, before any data or model is built. Types come from the schema (swin.config),
+which Hydra checks when it composes; this module checks ranges and combinations."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from swin.config import ConfigError
+from swin.data.datasets import check_decode
+from swin.models.attention import check_backend
+from swin.models.registry import MODEL_CONFIGS
+from swin.precision import AMP_CHOICES
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# optimizers (timm names of torch.optim classes) built with fused=True on CUDA: their kernels skip a
+# non-finite step on the device (see swin.train.guard)
+FUSED_OPTS = ("adamw", "adam")
+
+
+def _model_arch(cfg_model: DictConfig) -> dict[str, Any]:
+    """The architecture create_model will build: registry defaults overridden by the config."""
+    arch = dict(MODEL_CONFIGS.get(cfg_model.name, {}))
+    arch.update({k: v for k, v in cfg_model.items() if v is not None})
+    return arch
+
+
+def _size(key: str, value: Any) -> tuple[int, int]:
+    """model.<key> as (height, width): an int, or [height, width] as create_model takes it."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, (list, tuple, ListConfig)) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return int(value[0]), int(value[1])
+    raise ConfigError(f"model.{key}={value!r}: use an integer or [height, width] (integers)")
+
+
+AT_LEAST = {  # key: lowest accepted value (null is accepted where the schema allows it)
+    "train.epochs": 1, "train.batch_size": 1, "train.accum_steps": 1, "train.eval_batch_size": 1,
+    "train.lr_base_size": 1, "train.eval_every": 1, "train.max_nonfinite": 1, "logger.log_every_steps": 1,
+    "data.train_limit": 1, "data.val_limit": 1, "train.warmup_epochs": 0, "train.save_every_epochs": 0,
+    "train.save_every_steps": 0, "train.lr": 0, "train.min_lr": 0, "train.warmup_lr": 0, "train.weight_decay": 0,
+    "train.mixup": 0, "train.cutmix": 0, "data.num_workers": 0,
+}
+
+
+FRACTIONS = ("train.label_smoothing", "train.ema_decay", "train.mixup_prob", "train.mixup_switch_prob")
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """One line naming the key and what it accepts for a value of the right type but out of range."""
+    for key, lowest in AT_LEAST.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < lowest:
+            raise ConfigError(f"{key}={value}: set {key} to {lowest} or more")
+    for key in FRACTIONS:
+        value = OmegaConf.select(cfg, key)
+        if not 0 <= value <= 1:
+            raise ConfigError(f"{key}={value}: set {key} between 0 and 1")
+
+
+def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None:
+    """Reject configurations that would fail (or silently misbehave) later, before any work is done."""
+    t, m = cfg.train, cfg.model
+    if m.name not in MODEL_CONFIGS:
+        raise ConfigError(f"unknown model {m.name!r}; use model=<{'|'.join(sorted(MODEL_CONFIGS))}>")
+    check_ranges(cfg)
+    if t.get("require_pretrained") and not m.get("pretrained"):
+        raise ConfigError("this experiment fine-tunes pretrained weights: pass model.pretrained=PATH (a timm, "
+                          "official Microsoft or train.py checkpoint) or model.pretrained=timm:<name.tag>")
+    if t.warmup_epochs >= t.epochs:
+        raise ConfigError(f"train.warmup_epochs={t.warmup_epochs} leaves no epoch after warm-up "
+                          f"(train.epochs={t.epochs}); lower train.warmup_epochs")
+    per_update = world_size * t.accum_steps
+    if t.batch_size % per_update:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.accum_steps ({t.accum_steps}) x processes "
+            f"({world_size}) = {per_update}; set train.batch_size to a multiple of {per_update} "
+            f"(e.g. {max(1, round(t.batch_size / per_update)) * per_update}) or change train.accum_steps")
+    micro = t.batch_size // per_update
+    if (t.mixup > 0 or t.cutmix > 0) and micro % 2:
+        raise ConfigError(f"mixup/cutmix need an even micro-batch, got {micro} (train.batch_size / accum_steps / "
+                          "processes); change train.batch_size or train.accum_steps")
+    if t.opt_fused not in ("auto", True, False):
+        raise ConfigError(f"train.opt_fused={t.opt_fused!r}: use auto, true or false")
+    if t.opt_fused is True and t.opt.lower() not in FUSED_OPTS:
+        raise ConfigError(f"train.opt_fused=true needs train.opt={' or '.join(FUSED_OPTS)} (torch's fused kernels); "
+                          f"set train.opt_fused=auto for train.opt={t.opt}")
+    if t.get("compile_mode", "default") not in COMPILE_MODES:
+        raise ConfigError(f"train.compile_mode={t.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
+    if t.amp not in AMP_CHOICES:
+        raise ConfigError(f"train.amp={t.amp!r}: use auto, bf16, fp16 or fp32")
+    try:
+        check_backend(m.attention, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    arch = _model_arch(m)
+    img, patch, window = (_size(k, arch[k]) for k in ("img_size", "patch_size", "window_size"))
+    if img[0] % patch[0] or img[1] % patch[1]:
+        raise ConfigError(f"model.img_size={arch['img_size']} is not a multiple of model.patch_size="
+                          f"{arch['patch_size']}; change model.img_size")
+    feat = (img[0] // patch[0], img[1] // patch[1])
+    # Later stages may be smaller than the window (timm then uses one window of the stage's size),
+    # but a window larger than the first stage's feature map is never used as configured.
+    if window[0] > feat[0] or window[1] > feat[1]:
+        raise ConfigError(
+            f"model.window_size={arch['window_size']} is larger than the first feature map {feat[0]}x{feat[1]} "
+            f"(img_size {arch['img_size']} / patch_size {arch['patch_size']}); set model.window_size<={min(feat)} "
+            "or raise model.img_size")
+    try:  # data.decode, and what data.decode=gpu cannot do (augmentations, interpolations it lacks)
+        check_decode(cfg.data, arch["img_size"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.logger.wandb.mode not in ("online", "offline", "disabled"):
+        raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r}: use online, offline or disabled")
