@@ -16,7 +16,7 @@ instead (see ``kernels.ops.kernel_op``), so compiled models still compute the ri
   in the kernel. Its backward writes one (B, H, W, 3, heads, head_dim) gradient. With ``cosine_scale``
   (Swin V2) the kernels normalise q and k themselves, so the raw projection goes in and its gradient comes out.
 
-Both take plain tensors and sizes (the window geometry and the mask are the model's business, in ``swin/``):
+Both take plain tensors and sizes (the window geometry and the mask are the model's, ``swin.models.windows``):
 ``bias`` is Swin's ((2wh-1)(2ww-1), heads) relative position table (differentiable; the kernel that makes the
 bias tiles gathers it with timm's relative index) or a dense (heads, L, L) additive bias, ``mask`` None or the
 (num_windows, L, L) additive shifted-window mask of an image's window grid (timm's ``attn_mask``). The kernels
@@ -116,8 +116,7 @@ def _key_blocks(window_area: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_T): a window's keys as one power-of-two tile, or, for windows of more than 64 tokens that
     are at most 16 past a power of two, as that power of two plus a 16-key tail: 144 tokens (12x12) as 128 + 16
     keys instead of 256 (44% padding in every product, exp and bias-tile byte). Wider tails cost the backward more
-    registers than they save (9x9 as 64 + 32: 255 registers and spills against 206 for one 128-key tile, ptxas
-    sm_90a). SWIN_FW_TAIL=0: one tile."""
+    registers (and spills) than they save. SWIN_FW_TAIL=0: one tile."""
     block_n = max(16, triton.next_power_of_2(window_area))
     head = block_n // 2
     if block_n > 64 and window_area - head <= 16 and _tuning("TAIL", 1):
@@ -129,9 +128,8 @@ def resident_sets(sets: int, total_windows: int, windows_per_image: int) -> int:
     """Program sets (programs per head) for forward programs that keep their bias tile in registers for all their
     windows, else 0. A program takes every sets-th window, so its windows are all of one mask class where sets is a
     multiple of the windows per image (1 without a mask): sets rounds down to one. Only where each program then has
-    4 windows or more (SWIN_FW_RESIDENT_MIN_WINDOWS): with fewer the tile's load is hardly repeated, and its 20 more
-    registers slowed the later stages (H200, bf16: Swin-T stage 1 forward 108 -> 91 us, stage 3 unshifted 33 -> 35 us
-    at 1.5 windows per program; docs/benchmarks.md)."""
+    4 windows or more (SWIN_FW_RESIDENT_MIN_WINDOWS): with fewer the tile's load is hardly repeated, and the
+    registers it holds slow the program down."""
     sets = sets // windows_per_image * windows_per_image
     return sets if sets and total_windows >= _tuning("RESIDENT_MIN_WINDOWS", 4) * sets else 0
 
@@ -139,9 +137,7 @@ def resident_sets(sets: int, total_windows: int, windows_per_image: int) -> int:
 def resident_forward_sets(total_windows: int, heads: int, sms: int, windows_per_image: int) -> int:
     """The forward's resident program sets (resident_sets) at the most of 32, 16, 8 and 4 programs per SM that allows
     them, else 0 (then 32 per SM, each loading the tile per window: small batches, or images of more windows than a
-    launch has programs per head). H200, bf16 forward, shifted / unshifted (docs/benchmarks.md): Swin-T stage 2 at
-    16 per SM 53 / 51 us against 60 / 55 at 32; stage 3 at 8 per SM 33-34 / 32-33 against 37.5 / 33; Swin-B stage
-    2 at 16 per SM 66 / 64 against 76 / 69; stage 1 stays at 32 (91 / 90 us)."""
+    launch has programs per head). Fewer programs that keep their tile beat more that reload it per window."""
     for per_sm in (32, 16, 8, 4):
         sets = resident_sets(max(1, min(total_windows, sms * per_sm // heads)), total_windows, windows_per_image)
         if sets:
@@ -156,18 +152,17 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
     block_n, block_t = _key_blocks(window_area)
     # windows of up to 64 tokens are one query block. Larger ones take 16-row query blocks: with 32 or 64 rows the
     # (rows, 128 or 256) score tiles spill registers or overflow shared memory; except the 16-bit forward of split
-    # keys, 64 rows (H100, Swin-B 384 bf16: 12x12 forward 0.74 -> 0.50 ms; the backward is slower with 32 rows)
+    # keys, whose 64 rows are faster (the backward is not)
     block_m = block_n if window_area <= 64 else (64 if block_t and itemsize == 2 and not backward else 16)
     block_m = min(block_n, _tuning("BWD_BLOCK_M" if backward else "BLOCK_M", block_m))
     num_m = triton.cdiv(window_area, block_m)
     assert num_m > 1 or not block_t, "split keys need query blocks of their own (the one-block path reuses the keys)"
     # forward, one-block windows: programs that each loop over windows with the next windows' loads pipelined
     # (STAGES below), 32 per SM, or fewer where each then keeps its bias tile in registers (resident_forward_sets;
-    # 16-bit tiles, as measured); several query blocks: one program per window and head (0). Backward: 4 programs
-    # per SM (2 for split keys), each looping over windows, as each writes a bias-gradient tile that
-    # bias_grad_sum_kernel sums (H100, bf16 with head_dim 32, scripts/tune_flash_window.py, docs/benchmarks.md).
-    # The interpreter (CPU) runs programs one after the other: 4 programs per head (2 with split keys) keep tests
-    # quick.
+    # 16-bit tiles); several query blocks: one program per window and head (0). Backward: 4 programs per SM (2 for
+    # split keys), each looping over windows, as each writes a bias-gradient tile that bias_grad_sum_kernel sums
+    # (scripts/tune_flash_window.py sweeps these). The interpreter (CPU) runs programs one after the other: 4
+    # programs per head (2 with split keys) keep tests quick.
     cuda = device.type == "cuda"
     sms = _num_sms(device.index or 0) if cuda else 0
     if backward:
@@ -184,11 +179,9 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
         resident_at = (resident_sets(sets, total_windows, windows_per_image) if chosen else
                        resident_forward_sets(total_windows, heads, sms, windows_per_image))
         resident, sets = resident_at > 0, resident_at or sets
-    # the next windows' loads pipelined through shared memory (one-block windows; H100, bf16, head_dim 32,
-    # docs/benchmarks.md): the forward's next window for tiles up to 32 KB (a 128-token fp32 window of head_dim 128
-    # would need 311 KB of shared memory), the next two for tiles up to 8 KB where a program has 4 windows or more
-    # (Swin-T stage 1: 113 -> 110 us; fewer windows: slower); the backward's next two for tiles up to 8 KB (Swin-T
-    # stage 1: 290 -> 204 us)
+    # the next windows' loads pipelined through shared memory (one-block windows): the forward's next window for
+    # tiles up to 32 KB (larger ones overflow shared memory), the next two for tiles up to 8 KB where a program has
+    # 4 windows or more (with fewer the deeper pipeline is slower); the backward's next two for tiles up to 8 KB
     block_d = max(16, triton.next_power_of_2(head_dim))
     tile_bytes = block_n * block_d * itemsize
     if num_m > 1:
@@ -197,9 +190,8 @@ def _launch_config(total_windows: int, heads: int, window_area: int, head_dim: i
         stages = 3 if tile_bytes <= 8192 else 1
     else:
         stages = 1 if tile_bytes > 32768 else (3 if total_windows >= 4 * sets and tile_bytes <= 8192 else 2)
-    # the backward of windows over 128 tokens: 8 warps for one padded tile, fp32 or wide heads (measured on the H100:
-    # 10x10 and 12x12 windows), 4 for 16-bit keys split in two (12x12, bf16, head_dim 32: 2 programs of 253 registers
-    # per SM, 25% faster)
+    # the backward of windows over 128 tokens: 8 warps for one padded tile, fp32 or wide heads, 4 for 16-bit keys
+    # split in two of head_dim up to 32 (their registers then allow 2 programs per SM)
     wide = window_area > 128 and backward
     default_warps = 8 if wide and not (block_t and itemsize == 2 and block_d <= 32) else 4
     return dict(sets=sets, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_D=block_d,
@@ -218,10 +210,9 @@ def kernel_constants(cfg: dict, window: tuple[int, int], masked: bool, has_fill:
     of the bias tiles (see tile_rows; default the config's own query rows)."""
     tiling = {k: v for k, v in cfg.items() if k not in ("sets", "num_warps", "maxnreg")}
     tiling["TILE_ROWS"] = rows or cfg["NUM_M"] * cfg["BLOCK_M"]
-    # fp32: three tf32 products per product (about fp32 accuracy on tensor cores) for key tiles of up to 4608
-    # elements (64 x 64, or 12x12 windows' 128 + 16 keys of 32 channels: 2.2x faster forward+backward than exact
-    # FMAs on the H100); larger ones do not fit in shared memory that way on sm_90 (10x10 windows of head_dim 128:
-    # 311 KB) and take exact fp32 FMAs (scripts/kernel_resources.py)
+    # fp32: three tf32 products per product (about fp32 accuracy on tensor cores, faster than exact FMAs) for key
+    # tiles of up to 4608 elements (64 x 64, or 12x12 windows' 128 + 16 keys of 32 channels); larger ones do not fit
+    # in shared memory that way and take exact fp32 FMAs (scripts/kernel_resources.py)
     small = (cfg["BLOCK_N"] + cfg["BLOCK_T"]) * cfg["BLOCK_D"] <= 4608
     fp32 = os.environ.get("SWIN_FW_FP32_PRECISION", "tf32x3" if small else "ieee")
     return dict(WH=window[0], WW=window[1], MASKED=masked, HAS_FILL=has_fill, COSINE=cosine,
@@ -294,18 +285,17 @@ def tile_rows(total_windows: int, heads: int, window_area: int, head_dim: int, d
 def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
     """The bias tiles' dtype: a half-precision input's own dtype (what timm's SDPA path adds: its bias-plus-mask
     tensor is cast to the query's dtype), fp32 for fp32 inputs or with SWIN_FW_HALF_BIAS=0. Programs read their
-    head's tile once per window, except resident ones (L2 hits, but 16 KB per 7x7 window and head in fp32, more than
-    the window's q, k, v, o): half tiles made forward+backward 5-10% faster at every measured shape (H100,
-    docs/benchmarks.md)."""
+    head's tile once per window, except resident ones (L2 hits, but in fp32 more bytes than the window's q, k, v,
+    o): half tiles halve that traffic."""
     half = x_dtype in (torch.float16, torch.bfloat16) and _tuning("HALF_BIAS", 1)
     return x_dtype if half else torch.float32
 
 
 def _dependent_launch(x: torch.Tensor) -> bool:
     """Whether the forward launches as a programmatic dependent of the tile kernel (PDL, Hopper and later): its
-    launch then overlaps the tile kernel instead of waiting for it to finish (eager calls: ~1 us of the forward at
-    every Swin-T stage shape on the H100). Not where torch.compile traces the op: wrap_triton's analysis of what a
-    kernel writes cannot read the wait instruction (and would copy the kernel's inputs). SWIN_FW_PDL=0: off."""
+    launch then overlaps the tile kernel instead of waiting for it to finish. Eager calls only: where torch.compile
+    traces the op, wrap_triton's analysis of what a kernel writes cannot read the wait instruction (and would copy
+    the kernel's inputs). SWIN_FW_PDL=0: off."""
     return (x.is_cuda and not _interpreting() and _eager_launch(x) and _tuning("PDL", 1) == 1
             and _major_capability(x.device.index or 0) >= 9)
 

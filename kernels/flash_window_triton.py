@@ -17,7 +17,7 @@ are all of one class loads it once and keeps it in registers, RESIDENT_BIAS): no
 a shifted block costs about what an unshifted one does. The backward reads the forward's tiles.
 
 Windows of several query blocks take their keys in two blocks where that pads less than one power-of-two tile
-(BLOCK_T > 0): 144 tokens (12x12) as 128 + 16 keys, not 256 (of which 112 were padding in every product, exp and
+(BLOCK_T > 0): 144 tokens (12x12) as 128 + 16 keys, not 256 (of which 112 would be padding in every product, exp and
 bias-tile byte). The softmax spans both blocks; each gets its own k, v, dk, dv and bias-gradient columns.
 
 Swin V2's scaled cosine attention (COSINE): q and k are normalised to unit length on chip and q multiplied by
@@ -367,8 +367,8 @@ def window_attn_bwd_kernel(
     NUM_M: tl.constexpr, TILE_ROWS: tl.constexpr, MASKED: tl.constexpr, HAS_FILL: tl.constexpr,
     PRECISION: tl.constexpr, STAGES: tl.constexpr, HEAD_MINOR: tl.constexpr, COSINE: tl.constexpr,
 ):
-    """Every window's bias tile comes from L2: kept in registers across windows (as the forward does) it cost 20
-    more registers and made the kernel 24% slower (H100, docs/benchmarks.md)."""
+    """Every window's bias tile comes from L2: kept in registers across windows (as the forward does), the
+    registers it holds make this kernel slower."""
     h, first, nsets = _program(NH, HEAD_MINOR)
     scale = tl.cast(scale, tl.float32)  # inductor types a Python float argument fp64
     if COSINE:

@@ -1,10 +1,10 @@
 """Residual add, 2x2 patch merging and LayerNorm in one pass: the start of every Swin v1 stage after the first.
 
 Unfused, the last block of a stage writes x + mlp(...) and the next stage's patch merging reads it back in a
-permuted (2x2-neighbourhood) order to normalise it; under torch.compile the sum and the permuted copy ran as
-stand-alone kernels (Swin-T b128 bf16 inference on an H100: 0.30 ms at the first merge, for a pass whose bytes
-take about 0.1 ms). Here each program reads its merged pixels' four neighbours from x and from the last MLP's
-output once, adds them, normalises the 4C channels and writes the LayerNorm's output, ready for the reduction.
+permuted (2x2-neighbourhood) order to normalise it; under torch.compile the sum and the permuted copy run as
+stand-alone kernels, far slower than the bytes they move. Here each program reads its merged pixels' four
+neighbours from x and from the last MLP's output once, adds them, normalises the 4C channels and writes the
+LayerNorm's output, ready for the reduction.
 
 Channel order as timm's PatchMerging: (x0, x1, x2, x3) = neighbours (0, 0), (1, 0), (0, 1), (1, 1) in (row, column),
 so quadrant q = 2 * column offset + row offset. Odd sizes are padded with zeros after the sum, as timm pads.
@@ -84,10 +84,8 @@ def merge_norm_kernel(x_ptr, d_ptr, w_ptr, b_ptr, out_ptr, n_rows, H, W, OH, OW,
 
 def _launch_config(channels: int) -> dict:
     block_c = triton.next_power_of_2(channels)
-    # four (rows, BLOCK_C) fp32 tiles live at once: 2048 elements each, 16 values per thread and tile with 4 warps
-    # (H100, Swin-T b128 bf16: the three merges take 0.178 ms per inference step, about their bandwidth floor; tiles
-    # of 4096 elements with a reduction per quadrant took 0.217 ms; scripts/bench_merge_norm.py sweeps the op alone,
-    # but its timings are noisy)
+    # four (rows, BLOCK_C) fp32 tiles live at once: 2048 elements each, 16 values per thread and tile with 4 warps,
+    # which keeps the op near its bandwidth floor (larger tiles with a reduction per quadrant are slower)
     return dict(BLOCK_C=block_c, BLOCK_R=max(1, 2048 // block_c), num_warps=4)
 
 

@@ -34,8 +34,8 @@ def launch(kernel, grid: tuple[int], *args, **keywords):
 
 def launch_direct(kernel, grid: tuple[int], *args, **keywords):
     """Launches a kernel that torch.compile never traces (the data pipeline's) straight away. Through wrap_triton
-    outside a triton_op (whose eager calls skip it), every launch dispatches a higher-order op: ~1 ms of host time
-    per launch on the H100 machine, two thirds of the augmenting thread's host time (py-spy, 2026-11-24)."""
+    outside a triton_op (whose eager calls skip it), every launch would dispatch a higher-order op, which costs more
+    host time than the data pipeline's kernels themselves."""
     return kernel[grid](*args, **keywords)
 
 
