@@ -107,8 +107,8 @@ def sdpa_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor
 
 def flash_window_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torch.Tensor:
     """The Triton flash window attention kernel (kernels/), shift and partition folded in. It takes the bias table
-    itself and gathers it with timm's relative index (the one windows.relative_position_index builds), and reads
-    only the four windows of the shifted-window mask that stand for all the others."""
+    itself and gathers it with timm's relative index (the one swin.models.windows.relative_position_index builds),
+    and reads only the four windows of the shifted-window mask that stand for all the others."""
     from kernels.flash_window import flash_window_attention_image
     spec = args.spec
     return flash_window_attention_image(qkv, args.bias_table, args.attn_mask, args.qkv_bias, spec.window_size,

@@ -46,13 +46,12 @@ def fc1_gelu_epilogue(x: torch.Tensor, fc1: nn.Linear, act: nn.Module) -> torch.
 
     Why: unfused, a compiled inference step runs fc1 as a GEMM and GELU as a stand-alone kernel that reads and writes
     the 4C-wide hidden activation once more; the epilogue applies GELU to the GEMM's fp32 accumulator before its one
-    rounding (Swin-T b128 bf16, H100: 1.12 ms for the 12 fc1 + GELU instead of 2.06 ms). cuBLASLt's GELU is the tanh
-    approximation (within 4.7e-4 of the exact erf GELU), below half precision's rounding of the output: against
-    float64 exact GELU(fc1(x)) the epilogue's error equals the unfused half path's (H100 bf16: 1.6e-2 max abs for
-    both; scripts/bench_fc1_gelu.py). So it runs only where the output is rounded to half precision anyway: on CUDA,
-    in float16/bfloat16 (autocast, or half inputs and weights), without gradients (the fused op has no backward;
-    training keeps fc1's output for GELU's backward anyway), for ``nn.GELU`` after a biased fc1 (the epilogue adds
-    the bias). Elsewhere (CPU, float32, training) fc1 and the exact GELU run as written.
+    rounding. cuBLASLt's GELU is the tanh approximation (within 4.7e-4 of the exact erf GELU), below half precision's
+    rounding of the output: against float64 exact GELU(fc1(x)) the epilogue's error is that of the unfused half
+    path. So it runs only where the output is rounded to half precision anyway: on CUDA, in float16/bfloat16
+    (autocast, or half inputs and weights), without gradients (the fused op has no backward; training keeps fc1's
+    output for GELU's backward anyway), for ``nn.GELU`` after a biased fc1 (the epilogue adds the bias). Elsewhere
+    (CPU, float32, training) fc1 and the exact GELU run as written.
     """
     if (torch.is_grad_enabled() or x.device.type not in EPILOGUE_DEVICES or fc1.bias is None
             or not isinstance(act, nn.GELU) or act.approximate not in ("none", "tanh")):
@@ -166,8 +165,8 @@ class CosineWindowAttention(WindowAttentionBase):
         """((2Wh-1)(2Ww-1), heads) relative position bias, 16 sigmoid(MLP(coordinates)), gathered by the backends.
 
         In the parameters' dtype (fp32) under autocast too, where timm's runs in bf16: the MLP is tiny, and the bias
-        gradient summed over every window reaches it without bf16 roundings. (With a bf16 table, the compiled V2-T
-        step on the H100 spent 1.8 of 19 ms in the kernels scattering the bias gradient into the table's.)"""
+        gradient summed over every window reaches it without bf16 roundings (a bf16 table also makes the compiled
+        step scatter its gradient through slow extra kernels)."""
         weight = self.cpb_mlp[0].weight
         device = weight.device.type
         # autocast refuses the meta device (no dtype for it); a plain string test, because dynamo cannot trace
@@ -298,7 +297,7 @@ class LinearPatchEmbed(PatchEmbed):
     """timm's PatchEmbed (same parameters, output NHWC), computed as a matmul over non-overlapping patches.
 
     A convolution whose kernel equals its stride is a linear map of each patch; as one GEMM it avoids
-    cuDNN's slow weight gradient for stride-4 convolutions (0.5 ms of a Swin-T training step on an H100).
+    cuDNN's slow weight gradient for stride-4 convolutions.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -514,7 +513,7 @@ class SwinTransformer(nn.Module):
     def forward_layers(self, x: torch.Tensor) -> torch.Tensor:
         """The stages. With fused_merge_norm (v1, without gradients, on CUDA) each stage hands its last residual
         add to the next stage's patch merging, which adds, merges and normalises in one kernel (kernels.merge_norm):
-        unfused, a compiled Swin-T b128 bf16 inference step on the H100 spent 0.30 ms in the first merge alone."""
+        unfused, the sum and the merge's permuted copy are separate passes over the stage's output."""
         if not self._fuses_merges(x):
             return self.layers(x)
         delta = None
