@@ -504,7 +504,7 @@ def resized_crops(images: Sequence[torch.Tensor], boxes: np.ndarray, modes: np.n
     """Crop ``boxes`` (top, left, height, width) out of each (3, H_i, W_i) uint8 image and resize to ``size``
     (antialiased like PIL, except nearest): a (B, 3, *size) uint8 batch, rounded. One F.interpolate per image: the
     PyTorch path and the reference of swin.data.gpu.crop_resize (TrainTransform's kernels, which do the batch in two
-    launches; on the H100 within 1 level of this on under 1% of values: test_gpu_crop_resize_matches_...)."""
+    launches; on CUDA within 1 level of this on under 1% of values: test_gpu_crop_resize_matches_...)."""
     out = []
     for img, (top, left, h, w), m in zip(images, boxes.tolist(), modes.tolist()):
         crop = img[None, :, top:top + h, left:left + w].float()
@@ -557,8 +557,8 @@ class TrainTransform:
 
     ``kernels``: the crops in crop_resize and each augmentation layer in rand_augment, a handful of
     launches per batch (CUDA, or the CPU under the Triton interpreter: the default there), instead of per-image
-    F.interpolate calls and per-op slices (~120 launches, ~25 ms of host time per batch of 128 on the H100
-    machine; the PyTorch path, the reference the kernels are tested against)."""
+    F.interpolate calls and per-op slices (about a hundred launches per batch, each costing host time; the PyTorch
+    path, the reference the kernels are tested against)."""
 
     def __init__(self, spec: TrainSpec, kernels: bool | None = None):
         self.spec, self.kernels = spec, kernels

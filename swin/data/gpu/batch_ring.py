@@ -3,13 +3,11 @@
 A tensor a DataLoader worker returns the default way costs the training process, per batch: a new shared-memory
 segment whose file descriptor it receives over a socket (Python code, in the DataLoader's pin-memory thread), a copy
 into pinned memory, and an munmap when the batch is freed; the Python parts and the unmapping hold the GIL that the
-training loop needs (py-spy on the H100 machine: the pin-memory thread held the GIL a third of the time the
-training thread did, docs/benchmarks.md). Here the training process allocates the ring's slots once, the workers
-get them when they start (inherited or sent once, like any tensor in a worker's arguments), and a batch travels as
-a slot number. The slots live in shared host memory that every process copying to or from it pins
-(``cudaHostRegister``), or in a GPU's memory (``device``), which the workers open over CUDA IPC when they unpickle
-the ring: no /dev/shm or locked memory is needed and a batch does not go through the host (19 MB each way per 128
-images at 224), though the training step measured the same speed with either (docs/benchmarks.md, 2026-11-25).
+training loop needs. Here the training process allocates the ring's slots once, the workers get them when they
+start (inherited or sent once, like any tensor in a worker's arguments), and a batch travels as a slot number. The
+slots live in shared host memory that every process copying to or from it pins (``cudaHostRegister``), or in a
+GPU's memory (``device``), which the workers open over CUDA IPC when they unpickle the ring: no /dev/shm or locked
+memory is needed and a batch does not go through the host (19 MB each way per 128 images at 224).
 
 Protocol: a worker takes a free slot from the ring's queue (blocking), writes the batch and its targets there
 (on the GPU: waits for that write to finish) and returns a :class:`RingSlot`; unpickled in the training process it

@@ -1,17 +1,15 @@
 """Antialiased crop-and-resize of a batch of images of different sizes in two kernel launches.
 
-RandomResizedCrop on the GPU cropped and resized each decoded image with its own ``F.interpolate`` call: about
-three kernel launches per image, ~11 ms of host time per batch of 128 on the H100 machine, the largest host cost of
-GPU data loading after decoding. Here the images stay where they are (or travel as one flat uint8 buffer), a table
-gives each plane's (offset, pitch, crop window, mode, mirrored, subsampling), and two separable passes do the whole
-batch: rows (to the output width, into an fp32 buffer of every crop's rows), then columns (to the output height,
-rounded to uint8 as PIL stores images).
+Cropping and resizing each decoded image with its own ``F.interpolate`` call costs about three kernel launches per
+image, the largest host cost of GPU data loading after decoding. Here the images stay where they are (or travel as
+one flat uint8 buffer), a table gives each plane's (offset, pitch, crop window, mode, mirrored, subsampling), and
+two separable passes do the whole batch: rows (to the output width, into an fp32 buffer of every crop's rows), then
+columns (to the output height, rounded to uint8 as PIL stores images).
 
 Images are RGB (3, H, W) or a JPEG's YCbCr planes as the decoder left them (:class:`YCbCrImage`: chroma subsampled,
 4:2:0 say). Each plane is resized from where the crop lies in it, with the filter its own scale needs, and the
-column pass converts YCbCr to RGB (JFIF's full-range BT.601) before rounding: nvJPEG's own conversion to RGB was
-one kernel per image (0.33 ms of GPU time per batch of 128 on the H100), and the chroma planes of a 4:2:0 file are
-a quarter of the luma's pixels to read.
+column pass converts YCbCr to RGB (JFIF's full-range BT.601) before rounding: nvJPEG's own conversion to RGB is
+one kernel per image, and the chroma planes of a 4:2:0 file are a quarter of the luma's pixels to read.
 
 Weights follow PyTorch's ``antialias=True`` interpolation (which follows PIL): for an output pixel at centre
 ``c = scale * (i + 0.5)`` the taps are the input pixels in ``[trunc(c - support + 0.5), trunc(c + support + 0.5))``,
@@ -42,9 +40,8 @@ BILINEAR, BICUBIC, NEAREST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 (OFFSET, PITCH, TOP, LEFT, ROWS, COLS, MODE, ROWS_AT, MIRRORED, CROP_H, CROP_W, SHIFT_V, SHIFT_H, REM_TOP, REM_LEFT,
  YCBCR) = (tl.constexpr(k) for k in range(16))
 META = tl.constexpr(16)
-# launch geometry on a GPU, rows per program and warps (scripts/bench_augment_kernels.py sweeps them): the kernels
-# are bound by instruction issue and gather latency, not bandwidth; 4 rows x 2 warps was the fastest of 2-32 rows x
-# 2-8 warps on the H100 (0.289 ms for 128 images to 224 x 224; 4 x 4: 0.293, 16 x 4: 0.542; docs/benchmarks.md)
+# launch geometry on a GPU, rows per program and warps: the kernels are bound by instruction issue and gather
+# latency, not bandwidth, and small programs of 4 rows and 2 warps are the fastest
 GPU_BLOCK, GPU_WARPS = 4, 2
 
 
@@ -138,7 +135,7 @@ def crop_resize_rows_kernel(src_ptr, meta_ptr, groups_ptr, rows_ptr, OUT_W, BLOC
     Planes are rows of pixels at their pitch, pixels next to each other or, CHANNELS_LAST, every third byte.
     Each program takes a group of 1 to 3 planes with one crop window (``groups_ptr``: first plane, count; an RGB
     image's three, a YCbCr image's luma, its two chroma planes) and computes the taps and their weights, about half
-    of its instructions, once for them all (one plane per program: 0.37 ms against 0.29 for 128 images, H100)."""
+    of its instructions, once for them all."""
     group = groups_ptr + tl.program_id(0) * 2
     first_plane, count = tl.load(group), tl.load(group + 1)
     meta = meta_ptr + first_plane * META
@@ -243,8 +240,7 @@ def crop_resize(images: list[Image], boxes: np.ndarray, modes: np.ndarray, size:
     """(B, 3, *size) uint8 RGB: box (top, left, height, width) of each (3, H_i, W_i) uint8 RGB image or
     :class:`YCbCrImage`, resized with its mode (0 bilinear, 1 bicubic: antialiased; 2 nearest-exact), and mirrored
     left to right where ``flips`` is true. The kernels read each plane where it lies, at its offset from the
-    lowest-addressed one: packing the batch into one buffer first (torch.cat) took 0.15 ms of GPU time per batch of
-    128 decoded images on the H100."""
+    lowest-addressed one, so the batch is never packed into one buffer first (a torch.cat copy of every image)."""
     if not images:
         raise ValueError("crop_resize takes a batch of at least one image")
     buffers, planes = [], []  # planes: (buffer index, offset in it, pitch, height, width, shift_v, shift_h, ycbcr)

@@ -1,17 +1,17 @@
 """``data.decode=gpu``: the loader worker processes read the JPEG files, decode whole batches with nvJPEG
 (``torchvision.io.decode_jpeg(list, device="cuda")``) and augment them on the GPU (swin.data.gpu.augment); the training
-process receives uint8 batches like those of CPU decoding and normalises them on the device (swin.data.DeviceLoader).
+process receives uint8 batches like those of CPU decoding and normalises them on the device
+(swin.data.loaders.DeviceLoader).
 
-Why: per image, PIL decoding a ~110 KB JPEG plus RandomResizedCrop and RandAugment costs several milliseconds of CPU
-time, so 16 cores feed ~2,000 img/s while Swin-T trains at 5,000+ img/s on one H100. Why in the workers and not in
-the training process: nvJPEG's Huffman stage runs on the calling CPU thread and the per-image crops launch hundreds
-of small kernels, ~45 ms of host time per batch of 128 (H100 host, docs/benchmarks.md); in the training process that
-time shares the GIL with the training loop (measured: training at 0.49x of its speed on synthetic data) and one
-process decodes at most ~6,400 img/s however many threads it uses. Each worker has its own CUDA context (spawned, as
-CUDA requires); the batch goes to the training process in a slot of a ring of buffers it made once
-(batch_ring), in pinned host memory (data.batch_ring=host, the default) or in the GPU's memory (opened by each
-worker over CUDA IPC when it starts; data.batch_ring=gpu), and only the slot's number travels: a new CUDA tensor
-shared per batch would synchronise its receiver when freed.
+Why: per image, PIL decoding a JPEG plus RandomResizedCrop and RandAugment costs several milliseconds of CPU time,
+so the CPU cores of a GPU machine feed a Swin model fewer images than one GPU trains on. Why in the workers and not
+in the training process: nvJPEG's Huffman stage runs on the calling CPU thread and the batch's crops and
+augmentation launch many small kernels; in the training process that host time shares the GIL with the training
+loop and slows it down, and one process decodes only so fast however many threads it uses. Each worker has its own
+CUDA context (spawned, as CUDA requires); the batch goes to the training process in a slot of a ring of buffers it
+made once (swin.data.gpu.batch_ring), in pinned host memory (data.batch_ring=host, the default) or in the GPU's
+memory (opened by each worker over CUDA IPC when it starts; data.batch_ring=gpu), and only the slot's number
+travels: a new CUDA tensor shared per batch would synchronise its receiver when freed.
 
 Pieces, in the order a batch meets them (all in a worker process; in the training process with num_workers=0):
 
@@ -25,10 +25,10 @@ Pieces, in the order a batch meets them (all in a worker process; in the trainin
   counted with ``data.skip_corrupt``, else an error names the file).
 * :class:`DeviceCollate`: the loader's ``collate_fn``: the three above, then the transform, seeded by the batch's
   sample indices (the same augmentation for the same batch after a resume mid-epoch); returns
-  ``(uint8 images, targets, dropped files, CPU-decoded paths)`` for swin.data.DeviceLoader.
+  ``(uint8 images, targets, dropped files, CPU-decoded paths)`` for swin.data.loaders.DeviceLoader.
 
 ``data.decode=cpu data.augment=gpu`` takes the other split: the workers decode on the CPU (libjpeg-turbo:
-:class:`DecodedImageFolder`, 1-2.5 ms per ImageNet-sized file and core) and send each batch packed in one buffer
+:class:`DecodedImageFolder`) and send each batch packed in one buffer
 (:func:`collate_decoded`); a thread of the training process copies it to the device and augments it there
 (:class:`DecodeThread`). The training process keeps the only CUDA context, and its host work per batch is one copy
 and a handful of kernel launches.
@@ -58,8 +58,8 @@ from swin.data.gpu.batch_ring import BatchRing, RingSlot
 from swin.data.gpu.crop_resize import YCbCrImage
 from swin.data.gpu.nvjpeg import HardwareJpegDecoder, open_hardware_decoder
 
-# torchvision 0.29 deprecates its image codecs in favour of TorchCodec (they still work, and 0.26 on the GPU
-# machine has no warning); one warning per decode call would flood the log
+# torchvision 0.29 deprecates its image codecs in favour of TorchCodec (they still work); one warning per decode
+# call would flood the log
 warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
                         category=DeprecationWarning)
 
@@ -72,8 +72,8 @@ _NVJPEG_SOF = (0xC0, 0xC1, 0xC2)
 def mps_running() -> bool:
     """Whether an MPS control daemon runs (the pid file in its pipe directory, CUDA_MPS_PIPE_DIRECTORY, default
     /tmp/nvidia-mps, names a live process; its sockets outlive it): CUDA processes started now share the GPU
-    instead of taking turns. Under MPS, 8 processes decoding the 6,000 img/s a Swin-T step needs cost the step 1% on
-    the H100; without it 64% (docs/benchmarks.md, 2026-11-25)."""
+    instead of taking turns. Without MPS, worker processes decoding on the GPU slow the training step down heavily
+    (their contexts time-slice with its context); under MPS hardly at all."""
     pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"))
     try:
         pid = int((pipe / "nvidia-cuda-mps-control.pid").read_text().strip())
@@ -273,16 +273,16 @@ def collate_decoded(samples: Sequence[tuple[torch.Tensor, int, str, int] | None]
 
 
 # --- decoding and augmenting (in a worker process) -----------------------------------------------------------
-# Beside a training step that keeps the GPU busy, nvJPEG's hardware engines decode calls of up to 7 files at 60-80%
-# of their speed alone, and calls of 8 files or more 15-35x slower (H100, 7 engines; docs/benchmarks.md, 2026-11-24,
-# "Why decoding threads starved"). The training process (num_workers=0) therefore decodes in calls of this many.
+# Beside a training step that keeps the GPU busy, nvJPEG's hardware engines decode calls of a few files (no more
+# than the GPU has engines) nearly as fast as alone, but calls of 8 or more files much slower. The training process
+# (num_workers=0) therefore decodes in calls of this many.
 FILES_PER_CALL_BESIDE_STEP = 6
 
 
 def files_per_call(device: torch.device) -> int:
     """Files per decode call on ``device``: FILES_PER_CALL_BESIDE_STEP in the training process on CUDA, else 0 (the
-    whole batch in one call: a worker's own CUDA context was not measured with the cliff above, and one call is
-    fastest alone)."""
+    whole batch in one call, fastest alone; the slowdown above concerns calls from the training process, beside its
+    own step)."""
     return FILES_PER_CALL_BESIDE_STEP if device.type == "cuda" and get_worker_info() is None else 0
 
 
@@ -455,12 +455,11 @@ class DecodeThread:
     threads of the training process decode (DeviceCollate.decode; the GPU's JPEG engines through nvjpeg where
     it has them) and transform (DeviceCollate.augment) each batch, overlapped, each on a CUDA stream of its own
     (``data.augment=gpu`` with CPU decoding: the workers decode, ``collate_fn=collate_decoded``, and the first thread
-    only copies each packed batch to the device). The
-    transforming thread waits for its stream (that thread only, never the training loop) and hands the batch over
-    through a queue of ``prefetch`` batches, in the sampler's order. No second CUDA context time-slices the GPU with
-    the training step, as the workers' do (docs/benchmarks.md, 2026-11-24); nvJPEG gets a few files per call
-    (files_per_call). An error in either thread is raised in the consumer. Iterated like the DataLoader it wraps
-    (``dataset``, ``batch_size``, ``len``), by swin.data.DeviceLoader."""
+    only copies each packed batch to the device). The transforming thread waits for its stream (that thread only,
+    never the training loop) and hands the batch over through a queue of ``prefetch`` batches, in the sampler's
+    order. No second CUDA context time-slices the GPU with the training step, as the workers' do; nvJPEG gets a few
+    files per call (files_per_call). An error in either thread is raised in the consumer. Iterated like the
+    DataLoader it wraps (``dataset``, ``batch_size``, ``len``), by swin.data.loaders.DeviceLoader."""
 
     def __init__(self, loader: Any, collate: DeviceCollate, prefetch: int = 2):
         self.loader, self.collate, self.prefetch = loader, collate, prefetch

@@ -1,10 +1,10 @@
-"""nvJPEG's hardware JPEG decoders (the A100/H100 "NVJPG" engines) through ctypes.
+"""nvJPEG's hardware JPEG decoders (the "NVJPG" engines of the GPUs that have them) through ctypes.
 
 torchvision's ``decode_jpeg(device="cuda")`` reaches the same engines, but behind one process-wide decoder and mutex
 and holding Python's GIL for part of each call. Beside a training step, a thread of the training process decodes
-fastest with calls of at most as many files as the GPU has engines (7 on an H100; 8 or more files per call fall
-15-35x, docs/benchmarks.md, 2026-11-24), and with a decoder of its own: ~7,500 img/s against torchvision's ~4,300
-at 6 files per call. ctypes releases the GIL for every C call, so the training loop's thread keeps it.
+fastest with calls of at most as many files as the GPU has engines (calls of more files decode much slower beside
+a busy step), and with a decoder of its own rather than torchvision's shared one. ctypes releases the GIL for every
+C call, so the training loop's thread keeps it.
 
 The library is the libnvjpeg that torchvision ships (else the system's). :func:`open_hardware_decoder` returns None
 where there is no library, no CUDA or no engines; callers then keep torchvision's decoder.
@@ -163,10 +163,10 @@ def _library() -> ctypes.CDLL | None:
 
 class HardwareJpegDecoder:
     """Lists of JPEG files decoded by the GPU's JPEG engines, one :class:`BatchedDecoder` per call size (nvJPEG fixes
-    it at initialisation). The caller gives each file's plane sizes (decode.engine_planes: luma, then chroma)
-    and sends only files the engines take (baseline; with YUV output three components; asking nvJPEG per file would
-    parse each whole file on the host). Waits for each call on the current stream (the configuration measured
-    beside the training step), so that the files may be freed after it. One thread at a time.
+    it at initialisation). The caller gives each file's plane sizes (swin.data.gpu.decode.engine_planes: luma, then
+    chroma) and sends only files the engines take (baseline; with YUV output three components; asking nvJPEG per
+    file would parse each whole file on the host). Waits for each call on the current stream, so that the files may
+    be freed after it. One thread at a time.
 
     Output: (3, H, W) uint8 RGB tensors, or with ``ycbcr`` each file's YCbCr planes as stored
     (swin.data.gpu.crop_resize.YCbCrImage), which the crop kernels convert: no nvJPEG conversion kernel per image."""

@@ -1,15 +1,13 @@
 """One RandAugment layer of a uint8 image batch in a few kernel launches, whatever ops its images drew.
 
-RandAugment on the GPU grouped a layer's images by op and ran each op on its slice: about a hundred small kernels
-and copies per batch of 128, ~25 ms of Python and launch time (the H100 machine's host), under the GIL that a
-training loop in the same process needs, and ~1.2 ms of GPU time (docs/benchmarks.md, 2026-11-24). Here each
+Grouping a layer's images by op and running each op on its slice costs about a hundred small kernels and copies
+per batch, in Python and launch time under the GIL that a training loop in the same process needs. Here each
 image's op id and arguments are read from a table by the kernel:
 
 1. ``layer_stats_kernel``, programs of BLOCK pixels of one image: what the image's op needs from the whole image
    (each channel's min and max for AutoContrast, the grey sum for Contrast, each channel's histogram for Equalize),
    added up with integer atomics; then ``layer_lut_kernel`` turns the histograms into Equalize's lookup tables (one
-   program per image; one program per image for the whole statistics took 0.18 ms per layer of 128 images at 224 on
-   the H100, serial over the pixels);
+   program per image; one program per image for the whole statistics would be serial over the pixels);
 2. ``layer_apply_kernel``, programs of APPLY_BLOCK pixels of one image (BLOCK in the interpreter): the op,
    pointwise or (Sharpness, the affine ops) from neighbouring / sampled source pixels, all three channels.
 
@@ -42,9 +40,8 @@ ACC = HISTOGRAMS + 3 + 3 + 2  # padded to an even row
 _MIN, _MAX, _GREY = tl.constexpr(HISTOGRAMS), tl.constexpr(HISTOGRAMS + 3), tl.constexpr(HISTOGRAMS + 6)
 _ACC, _ARGS = tl.constexpr(ACC), tl.constexpr(ARGS)
 BLOCK = 1024
-# layer_apply_kernel's launch on a GPU, pixels per program and warps (scripts/bench_augment_kernels.py sweeps them):
-# the ops are bound by instruction issue and gather latency (the affine ones' taps), not bandwidth; 256 x 4 ran a
-# recipe layer in 47 us against 105 us at 1024 x 4 on the H100 (docs/benchmarks.md)
+# layer_apply_kernel's launch on a GPU, pixels per program and warps: the ops are bound by instruction issue and
+# gather latency (the affine ones' taps), not bandwidth, so smaller programs than BLOCK's are faster
 APPLY_BLOCK, APPLY_WARPS = 256, 4
 
 
