@@ -49,6 +49,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 import swin.config  # noqa: E402, F401  (registers the config schemas before Hydra composes)
+from swin.config import ImageFolderDataConfig, to_settings  # noqa: E402
 from swin.data.datasets import build_datasets  # noqa: E402
 from swin.data.gpu.decode import jpeg_frame  # noqa: E402
 from swin.data.loaders import build_loaders  # noqa: E402
@@ -116,13 +117,10 @@ def _mean(values: list[float]) -> float:
     return sum(values) / max(len(values), 1)
 
 
-def data_config(cfg: DictConfig, root: Path, decode: str, num_workers: int) -> DictConfig:
+def data_config(cfg: DictConfig, root: Path, decode: str, num_workers: int) -> ImageFolderDataConfig:
     """The recipe's data section on ``root`` with the data keys of row kind ``decode`` (DECODE_KINDS)."""
-    data = OmegaConf.create(OmegaConf.to_container(cfg.data, resolve=False))
-    data.root, data.num_workers = str(root), num_workers
-    for key, value in DECODE_KINDS[decode].items():
-        data[key] = value
-    return data
+    return to_settings(OmegaConf.merge(cfg.data, {"root": str(root), "num_workers": num_workers,
+                                                  **DECODE_KINDS[decode]}))
 
 
 def loader_row(cfg: DictConfig, root: Path, device: torch.device, decode: str, num_workers: int) -> dict[str, Any]:

@@ -12,10 +12,13 @@ Importing this module registers the schemas in Hydra's ConfigStore; the entry po
 ``@hydra.main`` composes (tests before ``compose``).
 """
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+T = TypeVar("T")
+FOLDER_DATASETS = ("imagefolder", "imagenet")  # data= configs of ImageFolderDataConfig
 
 
 class ConfigError(ValueError):
@@ -308,6 +311,24 @@ class BenchDataAppConfig:
     loader: LoaderBenchConfig = field(default_factory=LoaderBenchConfig)
     train: TrainBenchConfig = field(default_factory=TrainBenchConfig)
     eval: EvalBenchConfig = field(default_factory=EvalBenchConfig)
+
+
+def to_settings(cfg: DictConfig | T) -> T:
+    """A composed config as its schema's dataclass objects (TrainAppConfig, ImageFolderDataConfig, ...), every
+    interpolation resolved: what the package's internals take. Already converted objects pass through."""
+    if isinstance(cfg, DictConfig):
+        return cast(T, OmegaConf.to_object(cfg))
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A config (dataclass objects or a DictConfig) as plain dicts and lists: what checkpoints and wandb keep."""
+    return cast(dict, OmegaConf.to_container(OmegaConf.create(cfg), resolve=True))
+
+
+def as_folder(data: DataConfig) -> ImageFolderDataConfig | None:
+    """``data`` when it configures a folder dataset (data=imagefolder or imagenet), else None."""
+    return cast(ImageFolderDataConfig, data) if data.name in FOLDER_DATASETS else None
 
 
 def register_configs() -> None:

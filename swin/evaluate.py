@@ -1,6 +1,6 @@
 """Evaluation over a whole validation set: top-1, top-5, loss and images/s, exact under DDP.
 
-Exactness: each process takes every world_size-th sample (``swin.data.ShardSampler``, no padding, so
+Exactness: each process takes every world_size-th sample (``swin.data.loaders.ShardSampler``, no padding, so
 no sample is seen twice), counts only what it saw, and the sums are all-reduced. torch's
 ``DistributedSampler`` would instead pad the last shard with duplicates, which changes the numbers.
 
@@ -9,20 +9,49 @@ data with the transforms of the pretrained config, evaluate, write a JSON result
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from timm.data import resolve_data_config
+from timm.models import get_pretrained_cfg
+from torch.utils.data import Dataset, Subset
 
+from swin.config import (
+    DataConfig,
+    DigitsDataConfig,
+    EvalAppConfig,
+    ImageFolderDataConfig,
+    ModelConfig,
+    SwinV2ModelConfig,
+    SyntheticDataConfig,
+    as_folder,
+    to_settings,
+)
+from swin.data.datasets import build_datasets, decode_mode, folder_split
+from swin.data.loaders import build_eval_loader
 from swin.io import write_json
+from swin.models.attention import check_backend
+from swin.models.pretrained import Checkpoint, checkpoint_num_classes, load_into, read_source
+from swin.models.registry import config_overrides, create_model
 from swin.precision import autocast, resolve_amp
-from swin.train.distributed import all_reduce_sum
+from swin.train.distributed import all_reduce_sum, barrier, cleanup, init_distributed
+
+log = logging.getLogger("swin.eval")
+T = TypeVar("T")
+TRANSFORM_KEYS = ("interpolation", "crop_pct", "mean", "std")  # what transforms=auto may take from timm
+DATA_SCHEMAS = {"digits": DigitsDataConfig, "imagefolder": ImageFolderDataConfig, "imagenet": ImageFolderDataConfig,
+                "synthetic": SyntheticDataConfig}
 
 
 def _progress(total: int | None, enabled: bool, desc: str):
@@ -133,17 +162,15 @@ def overridden_groups(overrides: Iterable[str]) -> set[str]:
     return keys
 
 
-def eval_transform_settings(model_name: str, ckpt: Any, data_cfg: Any) -> tuple[dict[str, Any], str]:
+def eval_transform_settings(model_name: str, ckpt: Checkpoint, data_cfg: DataConfig) -> tuple[dict[str, Any], str]:
     """Evaluation resize/crop/interpolation/mean/std and where they came from.
 
     Our checkpoints were trained with the data config's transforms, so those are kept; timm and
     Microsoft weights follow timm's pretrained config of the weights (``timm:<name.tag>``) or of the
     architecture name (e.g. crop 0.9 bicubic for ``swin_tiny_patch4_window7_224``, 1.0 at 384).
     """
-    from timm.data import resolve_data_config
-    from timm.models import get_pretrained_cfg
-
-    from_data = {k: data_cfg.get(k) for k in ("interpolation", "crop_pct", "mean", "std") if k in data_cfg}
+    folder = as_folder(data_cfg)
+    from_data = {k: getattr(folder, k) for k in TRANSFORM_KEYS} if folder is not None else {}
     if ckpt.kind == "ours":
         return from_data, "data config of the checkpoint's training run"
     name = ckpt.meta.get("timm_name") or model_name
@@ -159,73 +186,88 @@ def eval_transform_settings(model_name: str, ckpt: Any, data_cfg: Any) -> tuple[
     return settings, f"timm pretrained config of {name}"
 
 
-def build_eval_dataset(data_cfg: Any, img_size: Any) -> tuple[Any, int, tuple[Any, Any]]:
+def build_eval_dataset(data_cfg: DataConfig, img_size: int | Sequence[int]) -> tuple[Dataset, int, tuple[Any, Any]]:
     """Validation split only (an ImageNet train/ folder takes long to list and is not needed), its class
-    count and (mean, std): folder images come as uint8 and are normalised on the device (swin.data); with
-    data.decode=gpu they are decoded and resized there too (swin.data.gpu.decode)."""
-    from torch.utils.data import Subset
-
-    from swin.data.datasets import build_datasets, folder_split
-
-    if data_cfg.name in ("imagefolder", "imagenet"):
-        from pathlib import Path
-
-        if not data_cfg.root:
-            raise ValueError(f"data={data_cfg.name} needs data.root=/path/to/dataset (with a {data_cfg.val_dir}/ "
-                             "folder of one sub-folder per class)")
-        val_dir = Path(data_cfg.root).expanduser() / data_cfg.val_dir
-        if not val_dir.is_dir():
-            raise ValueError(f"data.root={data_cfg.root} has no {data_cfg.val_dir}/ folder of class sub-folders")
-        size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
-        val = folder_split(data_cfg, val_dir, size, train=False)  # decoded in the workers or on the device
-        num_classes = len(val.classes)
-        if data_cfg.get("val_limit"):
-            val = Subset(val, range(min(data_cfg.val_limit, len(val))))
-        return val, num_classes, (tuple(data_cfg.mean), tuple(data_cfg.std))
-    ds = build_datasets(data_cfg, img_size)
-    return ds.val, ds.num_classes, (ds.mean, ds.std)
+    count and (mean, std): folder images come as uint8 and are normalised on the device (swin.data.loaders);
+    with data.decode=gpu they are decoded and resized there too (swin.data.gpu.decode)."""
+    folder = as_folder(data_cfg)
+    if folder is None:
+        ds = build_datasets(data_cfg, img_size)
+        return ds.val, ds.num_classes, (ds.mean, ds.std)
+    if not folder.root:
+        raise ValueError(f"data={folder.name} needs data.root=/path/to/dataset (with a {folder.val_dir}/ "
+                         "folder of one sub-folder per class)")
+    val_dir = Path(folder.root).expanduser() / folder.val_dir
+    if not val_dir.is_dir():
+        raise ValueError(f"data.root={folder.root} has no {folder.val_dir}/ folder of class sub-folders")
+    size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+    val = folder_split(folder, val_dir, size, train=False)  # decoded in the workers or on the device
+    num_classes = len(val.classes)
+    if folder.val_limit:
+        val = Subset(val, range(min(folder.val_limit, len(val))))
+    return val, num_classes, (tuple(folder.mean), tuple(folder.std))
 
 
-def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = None) -> dict[str, Any]:
-    """Evaluate ``cfg.checkpoint`` as configs/eval.yaml describes; returns (and writes) the results."""
-    import logging
+def saved_settings(saved: dict[str, Any], schema: type[T], fallback: T, key: str) -> T:
+    """A checkpoint's ``model`` or ``data`` config as typed settings of ``schema``; keys it lacks (a checkpoint of
+    an older version) come from ``fallback`` when that is of the same schema, else ValueError naming them."""
+    node = OmegaConf.structured(schema)
+    if type(fallback) is schema:
+        node = OmegaConf.merge(node, OmegaConf.structured(fallback))
+    known = {k: v for k, v in saved.items() if k in node}
+    node = OmegaConf.merge(node, known)
+    missing = sorted(k for k in node if OmegaConf.is_missing(node, k))
+    if missing:
+        raise ValueError(f"the checkpoint's {key} config lacks {', '.join(missing)}; give {key}=<name> (and those "
+                         f"{key}.* keys) on the command line, or from_checkpoint=false")
+    return to_settings(node)
 
-    import timm
-    from omegaconf import OmegaConf
 
-    from swin.data.loaders import build_eval_loader
-    from swin.models.attention import check_backend
-    from swin.models.pretrained import checkpoint_num_classes, load_into, read_source
-    from swin.models.registry import config_overrides, create_model
-    from swin.train.distributed import barrier, cleanup, init_distributed
+def _model_and_data(cfg: EvalAppConfig, ckpt: Checkpoint, cli_keys: set[str]) -> tuple[ModelConfig, DataConfig]:
+    """The architecture and data to evaluate: our checkpoints carry their run's config, used unless the command line
+    gives model= or data= (or from_checkpoint=false); the attention backend and fused paths stay this run's."""
+    model_cfg, data_cfg = cfg.model, cfg.data
+    saved = ckpt.config or {}
+    if cfg.from_checkpoint and "model" in saved and "model" not in cli_keys:
+        schema = SwinV2ModelConfig if "pretrained_window_sizes" in saved["model"] else ModelConfig
+        model_cfg = saved_settings(saved["model"], schema, cfg.model, "model")
+        # the backend and the fused paths are properties of this machine, not of the architecture
+        model_cfg = dataclasses.replace(model_cfg, attention=cfg.model.attention, fused_mlp_act=cfg.model.fused_mlp_act,
+                                        fused_merge_norm=cfg.model.fused_merge_norm)
+    if cfg.from_checkpoint and "data" in saved and "data" not in cli_keys:
+        schema = DATA_SCHEMAS.get(saved["data"].get("name"))
+        if schema is None:
+            raise ValueError(f"the checkpoint's data config names an unknown dataset {saved['data'].get('name')!r}; "
+                             "give data=<name> on the command line")
+        data_cfg = saved_settings(saved["data"], schema, cfg.data, "data")
+    return model_cfg, data_cfg
 
-    log = logging.getLogger("swin.eval")
-    cli_keys = cli_keys or set()
+
+def _with_transforms(cfg: EvalAppConfig, model_name: str, ckpt: Checkpoint,
+                     data_cfg: DataConfig) -> tuple[DataConfig, dict[str, Any], str]:
+    """``data_cfg`` with the evaluation transforms ``cfg.transforms`` asks for, the transforms and their source."""
+    if cfg.transforms == "data":
+        return data_cfg, {}, "data config"
+    if cfg.transforms != "auto":
+        raise ValueError(f"transforms={cfg.transforms!r}: use auto or data")
+    transforms, source = eval_transform_settings(model_name, ckpt, data_cfg)
+    if as_folder(data_cfg) is not None:  # the other datasets have no transforms to set
+        data_cfg = dataclasses.replace(data_cfg, **transforms)
+    return data_cfg, transforms, source
+
+
+def run_eval(cfg: EvalAppConfig | DictConfig, run_dir: str | os.PathLike,
+             cli_keys: set[str] | None = None) -> dict[str, Any]:
+    """Evaluate ``cfg.checkpoint`` as configs/eval.yaml describes; returns (and writes) the results.
+    ``cli_keys``: the top-level keys given on the command line (:func:`overridden_groups`)."""
+    cfg = to_settings(cfg)
     dist = init_distributed(cfg.device)
     check_backend(cfg.model.attention, dist.device)
     try:
         ckpt = read_source(cfg.checkpoint, ema=cfg.ema)
-        model_cfg, data_cfg = cfg.model, cfg.data
-        # our checkpoints carry the run's config: evaluate the same architecture on the same data
-        # unless the command line says otherwise
-        train_cfg = ckpt.config or {}
-        if cfg.from_checkpoint and "model" in train_cfg and "model" not in cli_keys:
-            model_cfg = OmegaConf.create(train_cfg["model"])
-            model_cfg.attention = cfg.model.attention  # the backend is a property of this machine
-            model_cfg.fused_mlp_act = cfg.model.fused_mlp_act  # so is the GELU epilogue (not the architecture)
-            model_cfg.fused_merge_norm = cfg.model.fused_merge_norm  # and the fused merges
-        if cfg.from_checkpoint and "data" in train_cfg and "data" not in cli_keys:
-            data_cfg = OmegaConf.create(train_cfg["data"])
-        data_cfg = OmegaConf.create(OmegaConf.to_container(data_cfg, resolve=True))
-        transforms, transforms_from = ({}, "data config")
-        if cfg.transforms == "auto":
-            transforms, transforms_from = eval_transform_settings(model_cfg.name, ckpt, data_cfg)
-            for k, v in transforms.items():
-                data_cfg[k] = v
-        elif cfg.transforms != "data":
-            raise ValueError(f"transforms={cfg.transforms!r}: use auto or data")
-
-        num_classes = model_cfg.get("num_classes") or checkpoint_num_classes(ckpt.state_dict)
+        model_cfg, data_cfg = _model_and_data(cfg, ckpt, cli_keys or set())
+        data_cfg, transforms, transforms_from = _with_transforms(cfg, model_cfg.name, ckpt, data_cfg)
+        num_classes = model_cfg.num_classes or checkpoint_num_classes(ckpt.state_dict)
         if not num_classes:
             raise ValueError(f"checkpoint {cfg.checkpoint} has no classifier; it cannot be evaluated as is")
         model = create_model(model_cfg.name, num_classes=num_classes, **config_overrides(model_cfg))
@@ -245,17 +287,18 @@ def run_eval(cfg: Any, run_dir: str | os.PathLike, cli_keys: set[str] | None = N
                      f"{dist.world_size} process(es), {amp}; transforms from {transforms_from} {transforms}")
         metrics = evaluate(model, loader, device=dist.device, amp=amp, progress=cfg.progress and dist.is_main,
                            total=len(range(dist.rank, len(val), dist.world_size)))
+        folder = as_folder(data_cfg)
         results = {
             **{k: metrics[k] for k in ("top1", "top5", "loss", "images_per_sec", "num_images", "skipped_images",
                                        "seconds", "top5_k")},
-            "decode": data_cfg.get("decode", "cpu"), "cpu_decoded_images": loader.cpu_decoded,
+            "decode": decode_mode(data_cfg), "cpu_decoded_images": loader.cpu_decoded,
             "checkpoint": str(cfg.checkpoint), "checkpoint_kind": ckpt.kind, "weights": ckpt.weights,
             "checkpoint_meta": ckpt.meta, "resized_bias_tables": len(report.resized),
             "model": model_cfg.name, "num_classes": num_classes, "img_size": list(model.img_size),
             "window_size": list(model.window_size), "attention": model.attention,
-            "data": data_cfg.name, "data_root": data_cfg.get("root"), "transforms": transforms,
-            "transforms_from": transforms_from, "batch_size_per_process": cfg.batch_size, "amp": amp,
-            "world_size": dist.world_size, "device": str(dist.device),
+            "data": data_cfg.name, "data_root": folder.root if folder is not None else None,
+            "transforms": transforms, "transforms_from": transforms_from, "batch_size_per_process": cfg.batch_size,
+            "amp": amp, "world_size": dist.world_size, "device": str(dist.device),
             "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu",
             "torch": torch.__version__, "timm": timm.__version__,
         }

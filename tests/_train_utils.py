@@ -24,8 +24,15 @@ DET = [*SMALL, "data.shift=0"]
 
 
 def make_cfg(*overrides: str) -> Any:
+    """configs/train.yaml composed with the overrides (a DictConfig, as train.py's Hydra app gets it)."""
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         return compose("train", overrides=list(overrides))
+
+
+def make_settings(*overrides: str) -> Any:
+    """make_cfg's config as the typed settings the package's internals take (swin.config.to_settings)."""
+    from swin.config import to_settings
+    return to_settings(make_cfg(*overrides))
 
 
 def train_inprocess(run_dir: Path, *overrides: str) -> dict[str, Any]:

@@ -10,13 +10,14 @@ import torch
 from _train_utils import DET, image_folder, make_cfg, train_inprocess
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 
+from swin.config import to_settings
 from swin.data.datasets import SyntheticDataset, TensorImageDataset, build_datasets
 from swin.data.loaders import DeviceLoader, SyntheticLoader, _Normalize, build_loaders
 
 
 def _folder_cfg(root, *overrides):
-    return make_cfg("data=imagefolder", f"data.root={root}", "data.num_workers=0", "model.img_size=16",
-                    *overrides).data
+    return to_settings(make_cfg("data=imagefolder", f"data.root={root}", "data.num_workers=0", "model.img_size=16",
+                                *overrides).data)
 
 
 def test_folder_images_stay_uint8_until_normalised_on_the_device(tmp_path):

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import swin
 import swin.config  # noqa: F401  (registers the config schemas before compose)
+from swin.config import to_settings
 from swin.evaluate import evaluate, overridden_groups, run_eval
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +71,7 @@ def digits_val():
     """The digits validation split exactly as eval.py builds it, and a timm model with its logits on it."""
     from swin.data.datasets import build_datasets
     cfg = eval_cfg()
-    val = build_datasets(cfg.data, 16).val
+    val = build_datasets(to_settings(cfg.data), 16).val
     x = torch.stack([val[i][0] for i in range(len(val))])
     y = torch.tensor([val[i][1] for i in range(len(val))])
     ref = perturbed_timm(**MICRO)

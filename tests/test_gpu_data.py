@@ -24,6 +24,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader
 
 from scripts.make_imagefolder import make_image
+from swin.config import to_settings
 from swin.data.datasets import build_datasets
 from swin.data.folder import CorruptImageError
 from swin.data.gpu import augment as ga
@@ -695,7 +696,8 @@ def test_eval_batches_match_the_cpu_path(photos, tmp_path):
     _write_folder(tmp_path, photos, "val", 4)
     batches = {}
     for decode in ("cpu", "gpu"):
-        cfg = make_cfg("data=imagenet", f"data.root={tmp_path}", "data.num_workers=0", f"data.decode={decode}").data
+        cfg = to_settings(make_cfg("data=imagenet", f"data.root={tmp_path}", "data.num_workers=0",
+                                   f"data.decode={decode}").data)
         val, classes, (mean, std) = build_eval_dataset(cfg, 224)
         assert classes == 2 and len(val) == 8
         loader = build_eval_loader(val, cfg, torch.device("cpu"), 0, 1, 3, mean, std)  # batches of 3, 3, 2
@@ -866,7 +868,8 @@ def test_gpu_decode_workers_get_an_indexed_device_and_spawn(monkeypatch, tmp_pat
     (tmp_path / "c0").mkdir()
     (tmp_path / "c0" / "a.JPEG").write_bytes(b"never read")
     ds = EncodedImageFolder(tmp_path, ga.TrainTransform(ga.TrainSpec((8, 8))), skip_corrupt=False)
-    cfg = {"num_workers": 4, "batch_ring": "host"}  # (the default; a ring in the GPU's memory: a GPU test below)
+    folder = to_settings(make_cfg("data=imagenet").data)
+    cfg = replace(folder, num_workers=4, batch_ring="host")  # (the default; a ring in the GPU's memory: below)
     spawned = _worker_settings(cfg, torch.device("cuda", 0), ds, batch_size=16)
     assert spawned["multiprocessing_context"] == "spawn" and not spawned["pin_memory"]  # the ring is pinned
     ring = spawned["collate_fn"].ring
@@ -875,7 +878,7 @@ def test_gpu_decode_workers_get_an_indexed_device_and_spawn(monkeypatch, tmp_pat
     assert ring.images.shape == (4 * 2 + BatchRing.in_flight_limit + 1, 16, 3, 8, 8) and ring.images.is_shared()
     assert not ring.on_device
     assert spawned["prefetch_factor"] == 2
-    in_process = _worker_settings({"num_workers": 0}, torch.device("cuda", 0), ds, batch_size=16)
+    in_process = _worker_settings(replace(folder, num_workers=0), torch.device("cuda", 0), ds, batch_size=16)
     assert not in_process["pin_memory"] and "multiprocessing_context" not in in_process
     assert in_process["collate_fn"].ring is None
     assert "multiprocessing_context" not in _worker_settings(cfg, torch.device("cpu"), ds, batch_size=16)
@@ -894,9 +897,10 @@ def test_gpu_decode_workers_say_when_no_mps_daemon_runs(monkeypatch, tmp_path, c
     pipe.mkdir()
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe))
     assert not mps_running()
+    folder = to_settings(make_cfg("data=imagenet").data)
     with caplog.at_level("WARNING", logger="swin.data"):
-        _worker_settings({"num_workers": 3}, torch.device("cuda", 0), ds, 4)
-        _worker_settings({"num_workers": 0}, torch.device("cuda", 0), ds, 4)  # decodes in this process: no contexts
+        _worker_settings(replace(folder, num_workers=3), torch.device("cuda", 0), ds, 4)
+        _worker_settings(replace(folder, num_workers=0), torch.device("cuda", 0), ds, 4)  # in this process: no contexts
     assert len(caplog.records) == 1 and "nvidia-cuda-mps-control -d" in caplog.text and "3 workers" in caplog.text
     (pipe / "control").touch()  # a daemon's sockets stay after it quits: its pid file goes
     (pipe / "nvidia-cuda-mps-control.pid").write_text("999999999")  # no such process
@@ -905,7 +909,7 @@ def test_gpu_decode_workers_say_when_no_mps_daemon_runs(monkeypatch, tmp_path, c
     assert mps_running()
     caplog.clear()
     with caplog.at_level("WARNING", logger="swin.data"):
-        _worker_settings({"num_workers": 3}, torch.device("cuda", 0), ds, 4)
+        _worker_settings(replace(folder, num_workers=3), torch.device("cuda", 0), ds, 4)
     assert not caplog.records
 
 
@@ -1186,6 +1190,7 @@ def test_gpu_decode_loader_batches_intact_without_syncing(photos, tmp_path, work
                    f"data.num_workers={workers}", "data.reprob=0", f"data.batch_ring={ring}",
                    *(["data.decode=cpu", "data.augment=gpu"] if thread == "decoded" else
                      ["data.decode=gpu", f"data.gpu_decode_thread={thread}"])).data
+    cfg = to_settings(cfg)
     prints = {}
     busy = torch.randn(2048, 2048, device="cuda")
     for device in ("cpu", "cuda"):

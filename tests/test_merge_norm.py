@@ -155,6 +155,7 @@ def test_flag_round_trips():
     """On by default; create_model(fused_merge_norm=False) and model.fused_merge_norm (Hydra) turn it off."""
     from _train_utils import make_cfg  # Hydra: imported here, the GPU tests do without it
 
+    from swin.config import to_settings
     from swin.train.distributed import DistInfo
     from swin.train.setup import _build_model
 
@@ -162,7 +163,8 @@ def test_flag_round_trips():
     assert swin.create_model("swin_micro", fused_merge_norm=False).fused_merge_norm is False
     dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     assert make_cfg().model.fused_merge_norm is True
-    assert _build_model(make_cfg("model.fused_merge_norm=false"), dist, num_classes=10).fused_merge_norm is False
+    cfg = to_settings(make_cfg("model.fused_merge_norm=false"))
+    assert _build_model(cfg, dist, num_classes=10).fused_merge_norm is False
 
 
 # --- GPU ------------------------------------------------------------------------------------------------------------

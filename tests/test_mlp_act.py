@@ -83,6 +83,7 @@ def test_flag_round_trips():
     from _train_utils import make_cfg  # Hydra: imported here, the GPU tests do without it
     from omegaconf import OmegaConf
 
+    from swin.config import to_settings
     from swin.train.distributed import DistInfo
     from swin.train.setup import _build_model
 
@@ -97,8 +98,8 @@ def test_flag_round_trips():
     dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     assert make_cfg().model.fused_mlp_act is True
     cfg = make_cfg("model.fused_mlp_act=false")
-    assert flags(_build_model(cfg, dist, num_classes=10)) == {False}
-    assert flags(_build_model(make_cfg(), dist, num_classes=10)) == {True}
+    assert flags(_build_model(to_settings(cfg), dist, num_classes=10)) == {False}
+    assert flags(_build_model(to_settings(make_cfg()), dist, num_classes=10)) == {True}
     assert OmegaConf.to_container(cfg.model)["fused_mlp_act"] is False
 
 

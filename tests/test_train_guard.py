@@ -10,6 +10,7 @@ import pytest
 import torch
 from _train_utils import DET, FAST, make_cfg, model_weights, train_inprocess
 
+from swin.config import to_settings
 from swin.train.distributed import DistInfo
 from swin.train.loop import EpochClock, NonFiniteLossError
 from swin.train.setup import setup
@@ -18,7 +19,7 @@ from swin.train.step import train_step
 
 def _setup(tmp_path, *overrides: str, device: str = "cpu", base: tuple[str, ...] = tuple(DET)):
     cfg = make_cfg(*base, f"device={device}", *overrides)
-    run = setup(cfg, tmp_path, DistInfo(0, 0, 1, torch.device(device)))
+    run = setup(to_settings(cfg), tmp_path, DistInfo(0, 0, 1, torch.device(device)))
     run.train_loader.set_epoch(0)
     run.model.train()
     return run

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
 
+from swin.config import DataConfig, DigitsDataConfig, ImageFolderDataConfig, SyntheticDataConfig, as_folder
 from swin.data.folder import CheckedImageFolder
 
 
@@ -53,7 +54,7 @@ class TensorImageDataset(Dataset):
         return x, int(self.targets[i])
 
 
-def digits_datasets(cfg: Any, img_size: tuple[int, int]) -> Datasets:
+def digits_datasets(cfg: DigitsDataConfig, img_size: tuple[int, int]) -> Datasets:
     """scikit-learn's 8x8 handwritten digits (1797 images, shipped with the package), upscaled to
     img_size, grey replicated to 3 channels; a stratified hold-out split is the validation set."""
     from sklearn.datasets import load_digits
@@ -65,7 +66,7 @@ def digits_datasets(cfg: Any, img_size: tuple[int, int]) -> Datasets:
     x = F.interpolate(x, size=img_size, mode="bilinear", align_corners=False)
     x = ((x - x.mean()) / x.std()).expand(-1, 3, -1, -1).contiguous()
     num_classes = 10
-    if cfg.get("classes") is not None:  # a subset of the digits (e.g. pretrain / fine-tune splits), relabelled
+    if cfg.classes is not None:  # a subset of the digits (e.g. pretrain / fine-tune splits), relabelled
         classes = [int(c) for c in cfg.classes]
         if not classes or len(set(classes)) != len(classes) or not set(classes) <= set(range(10)):
             raise ValueError(f"data.classes={list(cfg.classes)}: give distinct digits 0-9, e.g. data.classes=[0,1,2]")
@@ -76,57 +77,57 @@ def digits_datasets(cfg: Any, img_size: tuple[int, int]) -> Datasets:
     idx_train, idx_val = train_test_split(torch.arange(len(y)).numpy(), test_size=cfg.val_fraction,
                                           random_state=cfg.split_seed, stratify=y.numpy())
     idx_train, idx_val = torch.from_numpy(idx_train), torch.from_numpy(idx_val)
-    return Datasets(TensorImageDataset(x[idx_train], y[idx_train], shift=cfg.get("shift", 0)),
+    return Datasets(TensorImageDataset(x[idx_train], y[idx_train], shift=cfg.shift),
                     TensorImageDataset(x[idx_val], y[idx_val]), num_classes=num_classes)
 
 
 DECODE_MODES = ("cpu", "gpu")
 
 
-def decode_mode(cfg: Any) -> str:
-    """``data.decode``: cpu (PIL and timm's transforms in the loader workers; the default) or gpu (the workers
-    decode with nvJPEG and augment on the training device: swin.data.gpu.decode). ValueError for anything else."""
-    mode = cfg.get("decode", "cpu")
+def decode_mode(cfg: DataConfig) -> str:
+    """``data.decode`` of a folder dataset: cpu (PIL and timm's transforms in the loader workers; the default) or gpu
+    (the workers decode with nvJPEG and augment on the training device: swin.data.gpu.decode); cpu for the other
+    datasets. ValueError for anything else."""
+    folder = as_folder(cfg)
+    mode = folder.decode if folder is not None else "cpu"
     if mode not in DECODE_MODES:
         raise ValueError(f"data.decode={mode!r}: use cpu (decode and augment with PIL in the loader workers) or gpu "
                          "(the workers decode with nvJPEG and augment on the training device)")
-    if mode == "gpu" and cfg.name not in ("imagefolder", "imagenet"):
-        raise ValueError(f"data.decode=gpu decodes JPEG folders (data=imagenet or data=imagefolder), not "
-                         f"data={cfg.name}; drop data.decode")
     return mode
 
 
 AUGMENT_MODES = ("cpu", "gpu")
 
 
-def augment_mode(cfg: Any) -> str:
+def augment_mode(cfg: DataConfig) -> str:
     """``data.augment``: where the training and evaluation transforms run. cpu: timm's transforms in the loader
     workers; gpu: swin.data.gpu.augment on the training device. Unset (null): where data.decode decodes. data.decode=gpu
     always augments on the GPU. ValueError for anything else."""
     decode = decode_mode(cfg)
-    mode = cfg.get("augment") or decode
+    folder = as_folder(cfg)
+    mode = (folder.augment if folder is not None else None) or decode
     if mode not in AUGMENT_MODES:
         raise ValueError(f"data.augment={mode!r}: use cpu (timm's transforms in the loader workers) or gpu (on the "
                          "training device), or null (where data.decode decodes)")
     if decode == "gpu" and mode == "cpu":
         raise ValueError("data.augment=cpu with data.decode=gpu: images decoded on the GPU are augmented there; drop "
                          "data.augment or use data.decode=cpu")
-    if mode == "gpu" and cfg.name not in ("imagefolder", "imagenet"):
-        raise ValueError(f"data.augment=gpu augments JPEG folders (data=imagenet or data=imagefolder), not "
-                         f"data={cfg.name}; drop data.augment")
     return mode
 
 
-def check_decode(cfg: Any, img_size: Any) -> None:
+def check_decode(cfg: DataConfig, img_size: int | Sequence[int]) -> None:
     """Raise ValueError (naming the data.* key) for what data.decode=gpu or data.augment=gpu cannot do, before any
     work."""
-    if cfg.get("gpu_decode_thread", False) and decode_mode(cfg) != "gpu":
+    folder = as_folder(cfg)
+    if folder is None:
+        return
+    if folder.gpu_decode_thread and decode_mode(cfg) != "gpu":
         raise ValueError("data.gpu_decode_thread=true decodes on the GPU in a thread of the training process: it "
                          "needs data.decode=gpu (or drop data.gpu_decode_thread)")
-    if cfg.get("gpu_ycbcr", False) and decode_mode(cfg) != "gpu":
+    if folder.gpu_ycbcr and decode_mode(cfg) != "gpu":
         raise ValueError("data.gpu_ycbcr=true decodes JPEG files to their YCbCr planes on the GPU's JPEG engines: it "
                          "needs data.decode=gpu (or drop data.gpu_ycbcr)")
-    ring = cfg.get("batch_ring", "host")
+    ring = folder.batch_ring
     if ring not in ("gpu", "host"):
         raise ValueError(f"data.batch_ring={ring!r}: the decoding workers' batches wait for training in the GPU's "
                          "memory (gpu) or in page-locked host memory (host); use one of those")
@@ -135,11 +136,11 @@ def check_decode(cfg: Any, img_size: Any) -> None:
                          "needs data.decode=gpu (or drop data.batch_ring)")
     if augment_mode(cfg) == "gpu":
         from swin.data.gpu.augment import eval_spec, train_spec
-        train_spec(cfg, img_size)
-        eval_spec(cfg, img_size)
+        train_spec(folder, img_size)
+        eval_spec(folder, img_size)
 
 
-def folder_split(cfg: Any, root: Path, img_size: tuple[int, int], train: bool) -> Dataset:
+def folder_split(cfg: ImageFolderDataConfig, root: Path, img_size: tuple[int, int], train: bool) -> Dataset:
     """One split of a folder dataset with the data config's training or evaluation transforms: in the workers
     (CheckedImageFolder, data.decode=cpu) or, described, for the device (data.augment=gpu: EncodedImageFolder,
     whose files are decoded on the GPU, or DecodedImageFolder, decoded on the CPU by the workers)."""
@@ -165,7 +166,7 @@ def folder_split(cfg: Any, root: Path, img_size: tuple[int, int], train: bool) -
     return CheckedImageFolder(root, train_tf, cfg.skip_corrupt)
 
 
-def folder_datasets(cfg: Any, img_size: tuple[int, int]) -> Datasets:
+def folder_datasets(cfg: ImageFolderDataConfig, img_size: tuple[int, int]) -> Datasets:
     """`<root>/<train_dir>/<class>/*` and `<root>/<val_dir>/<class>/*` with timm's transforms."""
     if not cfg.root:
         raise ValueError(f"data={cfg.name} needs data.root=/path/to/dataset (with {cfg.train_dir}/ and "
@@ -223,7 +224,7 @@ class SyntheticDataset(Dataset):
         return self.pool(torch.device("cpu"))[j], j % self.num_classes
 
 
-def synthetic_datasets(cfg: Any, img_size: tuple[int, int]) -> Datasets:
+def synthetic_datasets(cfg: SyntheticDataConfig, img_size: tuple[int, int]) -> Datasets:
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
     return Datasets(SyntheticDataset(cfg.train_samples, img_size, cfg.num_classes, seed=0),
                     SyntheticDataset(cfg.val_samples, img_size, cfg.num_classes, seed=0), cfg.num_classes,
@@ -234,13 +235,13 @@ BUILDERS = {"digits": digits_datasets, "imagefolder": folder_datasets, "imagenet
             "synthetic": synthetic_datasets}
 
 
-def build_datasets(cfg: Any, img_size: int | Sequence[int]) -> Datasets:
+def build_datasets(cfg: DataConfig, img_size: int | Sequence[int]) -> Datasets:
     """Datasets of `cfg.name`, optionally cut to the first train_limit / val_limit samples."""
     size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
     if cfg.name not in BUILDERS:
         raise ValueError(f"unknown data.name {cfg.name!r}; use data=<{'|'.join(BUILDERS)}>")
     ds = BUILDERS[cfg.name](cfg, size)
-    for split, limit in (("train", cfg.get("train_limit")), ("val", cfg.get("val_limit"))):
+    for split, limit in (("train", cfg.train_limit), ("val", cfg.val_limit)):
         part = getattr(ds, split)
         if not limit:
             continue

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, default_collate
 
+from swin.config import DataConfig, as_folder
 from swin.data.datasets import Datasets, SyntheticDataset
 from swin.data.folder import readable
 from swin.data.gpu.batch_ring import ReceivedBatch
@@ -114,13 +115,12 @@ class _Normalize:
 class DeviceLoader:
     """A DataLoader's ``(images, targets, skipped)`` batches on `device`, normalised there, one batch ahead.
 
-    timm's PrefetchLoader, for (images, targets, skipped) batches and the same on every timm version: timm
-    1.0.29's (the GPU machine's) lacks the consumer-stream wait below and makes a new stream every epoch;
-    1.0.31's has both fixes. On CUDA the copy (from pinned memory, non_blocking), the normalisation and random
-    erasing of batch k+1 are queued on a side stream before batch k is handed out; the consumer's stream waits
-    for that work before using a batch, and the side stream waits for the consumer's queued work before
-    allocating (a block the consumer freed may be handed out again by the caching allocator while kernels
-    reading it are still queued). On the CPU the same steps run in order.
+    timm's PrefetchLoader for (images, targets, skipped) batches, with its stream handling made safe on every
+    timm version: on CUDA the copy (from pinned memory, non_blocking), the normalisation and random erasing of
+    batch k+1 are queued on one side stream (kept for the loader's lifetime) before batch k is handed out; the
+    consumer's stream waits for that work before using a batch, and the side stream waits for the consumer's
+    queued work before allocating (a block the consumer freed may be handed out again by the caching allocator
+    while kernels reading it are still queued). On the CPU the same steps run in order.
     Batches must be consumed on the stream that is current when the iterator is advanced.
     Batches of GPU-decoding workers (decode.DeviceCollate) come in slots of a ring of buffers in pinned host
     memory or the GPU's memory (batch_ring: copied from there, or normalised in place; the slot given back once
@@ -235,7 +235,7 @@ class SyntheticLoader:
             yield self.normalize(pool[idx]), idx % self.ds.num_classes, 0
 
 
-def build_eval_loader(val: Dataset, cfg: Any, device: torch.device, rank: int, world_size: int, batch_size: int,
+def build_eval_loader(val: Dataset, cfg: DataConfig, device: torch.device, rank: int, world_size: int, batch_size: int,
                       mean: Sequence[float] | None, std: Sequence[float] | None) -> BatchLoader:
     """This process's shard of `val` (every image exactly once over all processes, nothing padded), as
     normalised float32 batches on `device`. mean/std: the normalisation of uint8 images (None: float images)."""
@@ -263,13 +263,14 @@ def _decoded_in_workers(ds: Dataset) -> bool:
     return type(_encoded_folder(ds)).__name__ == "DecodedImageFolder"
 
 
-def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, batch_size: int, seed: int = 0) -> dict[str, Any]:
+def _worker_settings(cfg: DataConfig, device: torch.device, ds: Dataset, batch_size: int, seed: int = 0
+                     ) -> dict[str, Any]:
     """DataLoader settings shared by the training and evaluation loaders of folder datasets. data.decode=gpu: the
     workers decode and augment on `device` (swin.data.gpu.decode.DeviceCollate), spawned when that is a GPU (a forked
     process cannot use CUDA), and send each batch in a slot of a ring of buffers (batch_ring, made here: in
     pinned host memory, or the GPU's memory with data.batch_ring=gpu); with a decoding thread they only read files.
     data.augment=gpu with CPU decoding: the workers decode and pack each batch into one buffer, pinned here."""
-    workers = cfg.get("num_workers", 0)
+    workers = cfg.num_workers
     settings = dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
                     persistent_workers=workers > 0)
     encoded = _encoded_folder(ds)
@@ -294,7 +295,8 @@ def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, batch_size: in
             # every batch the DataLoader has in flight, plus the reads the consumer may not have finished
             prefetch = settings["prefetch_factor"] = 2
             slots = workers * prefetch + BatchRing.in_flight_limit + 1
-            on_gpu = device.type == "cuda" and cfg.get("batch_ring", "host") == "gpu"
+            folder = as_folder(cfg)
+            on_gpu = device.type == "cuda" and folder is not None and folder.batch_ring == "gpu"
             ring = BatchRing(slots, batch_size, transform_shape(encoded.device_transform),
                              settings.get("multiprocessing_context"), device if on_gpu else None)
             if on_gpu:
@@ -307,13 +309,15 @@ def _worker_settings(cfg: Any, device: torch.device, ds: Dataset, batch_size: in
     return settings
 
 
-def _decodes_in_thread(cfg: Any, ds: Dataset) -> bool:
+def _decodes_in_thread(cfg: DataConfig, ds: Dataset) -> bool:
     """A thread of this process decodes and augments: data.decode=gpu with data.gpu_decode_thread (the workers
     read files), or data.augment=gpu with CPU decoding (the workers decode; the thread copies and augments)."""
-    return _decoded_in_workers(ds) or (_encoded_folder(ds) is not None and bool(cfg.get("gpu_decode_thread", False)))
+    folder = as_folder(cfg)
+    threaded = folder is not None and folder.gpu_decode_thread
+    return _decoded_in_workers(ds) or (_encoded_folder(ds) is not None and threaded)
 
 
-def _decoding(loader: DataLoader, cfg: Any, device: torch.device, ds: Dataset, seed: int = 0) -> Any:
+def _decoding(loader: DataLoader, cfg: DataConfig, device: torch.device, ds: Dataset, seed: int = 0) -> Any:
     """``loader``, or its batches decoded and augmented in a thread of this process (swin.data.gpu.decode.DecodeThread)
     where _decodes_in_thread says so."""
     if not _decodes_in_thread(cfg, ds):
@@ -323,7 +327,7 @@ def _decoding(loader: DataLoader, cfg: Any, device: torch.device, ds: Dataset, s
     return DecodeThread(loader, DeviceCollate(device, encoded.device_transform, encoded.skip_corrupt, seed))
 
 
-def build_loaders(ds: Datasets, cfg: Any, device: torch.device, rank: int, world_size: int, micro_batch: int,
+def build_loaders(ds: Datasets, cfg: DataConfig, device: torch.device, rank: int, world_size: int, micro_batch: int,
                   eval_batch: int, seed: int) -> tuple[BatchLoader, BatchLoader]:
     """Training loader (shuffled, drop_last, resumable: ``set_epoch(epoch, start_batch)``) and evaluation
     loader (sharded, every image once), both yielding normalised float32 batches on `device`: DeviceLoader

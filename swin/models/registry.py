@@ -1,10 +1,10 @@
 """Named Swin architectures (timm's names and hyper-parameters) and ``create_model``, the one way to build one."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from swin.models.attention import get_backend
 from swin.models.pretrained import load_pretrained
 from swin.models.swin_transformer import SwinTransformer
 
@@ -66,10 +66,12 @@ def list_models() -> list[str]:
 NOT_OVERRIDES = ("name", "pretrained", "num_classes")
 
 
-def config_overrides(model_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """A model config (configs/model/, a checkpoint's ``model``) as create_model's architecture overrides: every
-    key but name, pretrained and num_classes, as plain Python values."""
-    if hasattr(model_cfg, "_metadata"):  # an OmegaConf node: resolve interpolations, lists become lists
+def config_overrides(model_cfg: Any) -> dict[str, Any]:
+    """A model config (swin.config.ModelConfig, a DictConfig or a checkpoint's ``model`` dict) as create_model's
+    architecture overrides: every key but name, pretrained and num_classes, as plain Python values."""
+    if dataclasses.is_dataclass(model_cfg):
+        model_cfg = dataclasses.asdict(model_cfg)
+    elif not isinstance(model_cfg, Mapping) or hasattr(model_cfg, "_metadata"):  # an OmegaConf node
         from omegaconf import OmegaConf
         model_cfg = OmegaConf.to_container(model_cfg, resolve=True)
     return {k: v for k, v in model_cfg.items() if k not in NOT_OVERRIDES}
@@ -90,8 +92,6 @@ def create_model(name: str, pretrained: str | bool | None = None, **overrides: A
     if name not in MODEL_CONFIGS:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
     kwargs = {**MODEL_CONFIGS[name], **{k: v for k, v in overrides.items() if v is not None}}
-    if "attention" in kwargs:
-        get_backend(kwargs["attention"])  # one clear line for an unknown name
     for key in ("depths", "num_heads", "pretrained_window_sizes"):
         if key in kwargs:
             kwargs[key] = tuple(kwargs[key])

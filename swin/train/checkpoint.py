@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
+from swin.config import to_dict
 from swin.io import atomic_write, remove_stale_temporaries
 from swin.train.distributed import all_gather_object, broadcast_object, seed_everything
 from swin.train.guard import StepStats
@@ -112,7 +112,7 @@ def save_checkpoint(run: Run, name: str, epoch: int, step: int) -> None:
         "best_top1": run.best_top1, "best_epoch": run.best_epoch, "nonfinite_steps": run.nonfinite_total,
         "skipped_images": run.skipped_total, "history": run.history, "rng": rngs,
         "world_size": run.dist.world_size, "wandb_id": run.wandb_run.id if run.wandb_run is not None else run.wandb_id,
-        "config": OmegaConf.to_container(run.cfg, resolve=True),
+        "config": to_dict(run.cfg),
     })
 
 

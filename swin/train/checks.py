@@ -3,12 +3,14 @@ naming the key and the fix, before any data or model is built. Types come from t
 which Hydra checks when it composes; this module checks ranges and combinations."""
 from __future__ import annotations
 
+import dataclasses
+import operator
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig
 
-from swin.config import ConfigError
+from swin.config import ConfigError, ModelConfig, TrainAppConfig, to_settings
 from swin.data.datasets import check_decode
 from swin.models.attention import check_backend
 from swin.models.registry import MODEL_CONFIGS
@@ -20,10 +22,10 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 FUSED_OPTS = ("adamw", "adam")
 
 
-def _model_arch(cfg_model: DictConfig) -> dict[str, Any]:
+def model_arch(cfg_model: ModelConfig) -> dict[str, Any]:
     """The architecture create_model will build: registry defaults overridden by the config."""
     arch = dict(MODEL_CONFIGS.get(cfg_model.name, {}))
-    arch.update({k: v for k, v in cfg_model.items() if v is not None})
+    arch.update({k: v for k, v in dataclasses.asdict(cfg_model).items() if v is not None})
     return arch
 
 
@@ -31,7 +33,7 @@ def _size(key: str, value: Any) -> tuple[int, int]:
     """model.<key> as (height, width): an int, or [height, width] as create_model takes it."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value, value
-    if isinstance(value, (list, tuple, ListConfig)) and len(value) == 2 and all(
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(
             isinstance(v, int) and not isinstance(v, bool) for v in value):
         return int(value[0]), int(value[1])
     raise ConfigError(f"model.{key}={value!r}: use an integer or [height, width] (integers)")
@@ -49,25 +51,27 @@ AT_LEAST = {  # key: lowest accepted value (null is accepted where the schema al
 FRACTIONS = ("train.label_smoothing", "train.ema_decay", "train.mixup_prob", "train.mixup_switch_prob")
 
 
-def check_ranges(cfg: DictConfig) -> None:
+def check_ranges(cfg: TrainAppConfig) -> None:
     """One line naming the key and what it accepts for a value of the right type but out of range."""
     for key, lowest in AT_LEAST.items():
-        value = OmegaConf.select(cfg, key)
+        value = operator.attrgetter(key)(cfg)
         if value is not None and value < lowest:
             raise ConfigError(f"{key}={value}: set {key} to {lowest} or more")
     for key in FRACTIONS:
-        value = OmegaConf.select(cfg, key)
+        value = operator.attrgetter(key)(cfg)
         if not 0 <= value <= 1:
             raise ConfigError(f"{key}={value}: set {key} between 0 and 1")
 
 
-def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None:
-    """Reject configurations that would fail (or silently misbehave) later, before any work is done."""
+def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torch.device) -> TrainAppConfig:
+    """Reject configurations that would fail (or silently misbehave) later, before any work is done; returns the
+    config as its typed settings (swin.config.to_settings)."""
+    cfg = to_settings(cfg)
     t, m = cfg.train, cfg.model
     if m.name not in MODEL_CONFIGS:
         raise ConfigError(f"unknown model {m.name!r}; use model=<{'|'.join(sorted(MODEL_CONFIGS))}>")
     check_ranges(cfg)
-    if t.get("require_pretrained") and not m.get("pretrained"):
+    if t.require_pretrained and not m.pretrained:
         raise ConfigError("this experiment fine-tunes pretrained weights: pass model.pretrained=PATH (a timm, "
                           "official Microsoft or train.py checkpoint) or model.pretrained=timm:<name.tag>")
     if t.warmup_epochs >= t.epochs:
@@ -88,7 +92,7 @@ def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None
     if t.opt_fused is True and t.opt.lower() not in FUSED_OPTS:
         raise ConfigError(f"train.opt_fused=true needs train.opt={' or '.join(FUSED_OPTS)} (torch's fused kernels); "
                           f"set train.opt_fused=auto for train.opt={t.opt}")
-    if t.get("compile_mode", "default") not in COMPILE_MODES:
+    if t.compile_mode not in COMPILE_MODES:
         raise ConfigError(f"train.compile_mode={t.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
     if t.amp not in AMP_CHOICES:
         raise ConfigError(f"train.amp={t.amp!r}: use auto, bf16, fp16 or fp32")
@@ -96,7 +100,7 @@ def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None
         check_backend(m.attention, device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    arch = _model_arch(m)
+    arch = model_arch(m)
     img, patch, window = (_size(k, arch[k]) for k in ("img_size", "patch_size", "window_size"))
     if img[0] % patch[0] or img[1] % patch[1]:
         raise ConfigError(f"model.img_size={arch['img_size']} is not a multiple of model.patch_size="
@@ -115,3 +119,4 @@ def check_config(cfg: DictConfig, world_size: int, device: torch.device) -> None
         raise ConfigError(str(e)) from None
     if cfg.logger.wandb.mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r}: use online, offline or disabled")
+    return cfg

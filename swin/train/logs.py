@@ -6,10 +6,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from swin.config import ConfigError
+from swin.config import ConfigError, TrainAppConfig, to_dict
 from swin.io import write_json
 from swin.train.state import Run
 
@@ -35,7 +34,7 @@ def setup_logging(run_dir: Path, is_main: bool) -> list[logging.Handler]:
     return handlers
 
 
-def init_wandb(cfg: DictConfig, run_dir: Path, run_id: str | None) -> Any:
+def init_wandb(cfg: TrainAppConfig, run_dir: Path, run_id: str | None) -> Any:
     """wandb run (rank 0), or None; wandb is imported only here, only when enabled."""
     wcfg = cfg.logger.wandb
     if wcfg.mode == "disabled":
@@ -51,7 +50,7 @@ def init_wandb(cfg: DictConfig, run_dir: Path, run_id: str | None) -> Any:
         return None
     return wandb.init(project=wcfg.project, entity=wcfg.entity, name=wcfg.name, tags=list(wcfg.tags),
                       mode=wcfg.mode, dir=str(run_dir), id=run_id, resume="allow",
-                      config=OmegaConf.to_container(cfg, resolve=True))
+                      config=to_dict(cfg))
 
 
 def _mean(values: list[float]) -> float | None:

@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from swin.config import ConfigError
+from swin.config import ConfigError, TrainAppConfig
 from swin.evaluate import evaluate
 from swin.train.checkpoint import resume, save_checkpoint
 from swin.train.checks import check_config
@@ -52,14 +52,15 @@ log = logging.getLogger("swin.train")
 __all__ = ["ConfigError", "NonFiniteLossError", "EpochClock", "train", "train_one_epoch"]
 
 
-def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Train as `cfg` says, writing into run_dir; returns the summary (also summary.json on rank 0)."""
+def train(cfg: DictConfig | TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
+    """Train as `cfg` (configs/train.yaml, composed) says, writing into run_dir; returns the summary (also
+    summary.json on rank 0). ConfigError names a bad key before any work starts."""
     try:
         device = pick_device(cfg.device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     export_job_environment()  # a submitit / srun job of several tasks: torchrun's variables from the job
-    check_config(cfg, env_world_size(), device)
+    cfg = check_config(cfg, env_world_size(), device)  # from here on, typed settings (swin.config)
     dist = init_distributed(cfg.device)
     # every rank uses rank 0's run directory (timestamps in hydra.run.dir may differ between ranks)
     run_dir = Path(broadcast_object(str(Path(run_dir).resolve())))
@@ -83,7 +84,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         cleanup()
 
 
-def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, preemption: PreemptionFlag) -> dict[str, Any]:
+def _run(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo, preemption: PreemptionFlag) -> dict[str, Any]:
     log.info(f"run dir {run_dir}, device {dist.device}, {dist.world_size} process(es)")
     run = setup(cfg, run_dir, dist)
     run.preemption = preemption

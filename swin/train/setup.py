@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
@@ -16,12 +15,12 @@ from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from swin.config import ConfigError
+from swin.config import ConfigError, TrainAppConfig, TrainConfig, as_folder
 from swin.data.datasets import augment_mode, build_datasets, decode_mode
 from swin.data.loaders import build_loaders
 from swin.models.registry import config_overrides, create_model
 from swin.precision import autocast, resolve_amp
-from swin.train.checks import FUSED_OPTS, _model_arch
+from swin.train.checks import FUSED_OPTS, model_arch
 from swin.train.distributed import DistInfo, seed_everything
 from swin.train.guard import EmaUpdater, StepStats, supports_found_inf
 from swin.train.state import Run
@@ -29,7 +28,7 @@ from swin.train.state import Run
 log = logging.getLogger("swin.train")
 
 
-def _build_optimizer(cfg: DictConfig, raw_model: nn.Module, device: torch.device,
+def _build_optimizer(cfg: TrainAppConfig, raw_model: nn.Module, device: torch.device,
                      steps_per_epoch: int) -> tuple[torch.optim.Optimizer, Any]:
     """timm's optimizer (fused torch AdamW/Adam where train.opt_fused says so) and per-update scheduler."""
     t = cfg.train
@@ -55,7 +54,7 @@ def _build_optimizer(cfg: DictConfig, raw_model: nn.Module, device: torch.device
     return optimizer, scheduler
 
 
-def _build_criterion(t: DictConfig, num_classes: int) -> tuple[nn.Module, Mixup | None]:
+def _build_criterion(t: TrainConfig, num_classes: int) -> tuple[nn.Module, Mixup | None]:
     if t.mixup > 0 or t.cutmix > 0:
         mixup = Mixup(mixup_alpha=t.mixup, cutmix_alpha=t.cutmix, prob=t.mixup_prob,
                       switch_prob=t.mixup_switch_prob, mode=t.mixup_mode, label_smoothing=t.label_smoothing,
@@ -66,7 +65,7 @@ def _build_criterion(t: DictConfig, num_classes: int) -> tuple[nn.Module, Mixup 
     return nn.CrossEntropyLoss(), None
 
 
-def _build_model(cfg: DictConfig, dist: DistInfo, num_classes: int) -> nn.Module:
+def _build_model(cfg: TrainAppConfig, dist: DistInfo, num_classes: int) -> nn.Module:
     """The model on its device: the same initialisation on every rank, per-rank randomness afterwards."""
     torch.manual_seed(cfg.seed)
     model = create_model(cfg.model.name, pretrained=cfg.model.pretrained, num_classes=num_classes,
@@ -77,11 +76,11 @@ def _build_model(cfg: DictConfig, dist: DistInfo, num_classes: int) -> nn.Module
     return model
 
 
-def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
+def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
     """Data, model, optimizer, schedule, loss, precision and EMA of a fresh run (resume() fills in the rest)."""
     t, device, world = cfg.train, dist.device, dist.world_size
     micro_batch = t.batch_size // (world * t.accum_steps)
-    arch = _model_arch(cfg.model)
+    arch = model_arch(cfg.model)
     data = build_datasets(cfg.data, arch["img_size"])
     train_loader, val_loader = build_loaders(data, cfg.data, device, dist.rank, world, micro_batch,
                                              t.eval_batch_size or 2 * micro_batch, cfg.seed)
@@ -94,7 +93,7 @@ def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
              f"{steps_per_epoch} steps/epoch")
     if decode_mode(cfg.data) == "gpu":
         how = ("read the JPEG files; a thread of this process decodes them (nvJPEG) and augments them"
-               if cfg.data.get("gpu_decode_thread", False) else "decode the JPEG files (nvJPEG) and augment them")
+               if as_folder(cfg.data).gpu_decode_thread else "decode the JPEG files (nvJPEG) and augment them")
         log.info(f"data.decode=gpu: {cfg.data.num_workers} loader worker(s) {how} on {device}")
     elif augment_mode(cfg.data) == "gpu":
         log.info(f"data.augment=gpu: {cfg.data.num_workers} loader worker(s) decode the images on the CPU; a thread "
@@ -111,7 +110,7 @@ def setup(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> Run:
     criterion, mixup = _build_criterion(t, num_classes)
     amp = resolve_amp(t.amp, device)
     ema = ModelEmaV3(raw_model, decay=t.ema_decay) if t.ema else None
-    fwd_model: nn.Module = torch.compile(raw_model, mode=t.get("compile_mode", "default")) if t.compile else raw_model
+    fwd_model: nn.Module = torch.compile(raw_model, mode=t.compile_mode) if t.compile else raw_model
     model: nn.Module = (DDP(fwd_model, device_ids=[device] if device.type == "cuda" else None)
                         if dist.enabled else fwd_model)
     skip_on_device = supports_found_inf(optimizer)

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
 from timm.data import Mixup
 from timm.utils import ModelEmaV3
 
+from swin.config import TrainAppConfig
 from swin.data.loaders import BatchLoader
 from swin.train.distributed import DistInfo
 from swin.train.guard import EmaUpdater, StepStats
@@ -24,7 +24,7 @@ class Run:
     """Everything a training run holds: built by setup(), advanced by train_one_epoch(), saved by
     save_checkpoint(). Counters are host values; the per-step ones live on the device in `stats`."""
 
-    cfg: DictConfig
+    cfg: TrainAppConfig
     dist: DistInfo
     run_dir: Path
     raw_model: nn.Module  # the module whose weights are saved (not compiled, not DDP-wrapped)
@@ -67,7 +67,7 @@ class Run:
     def cudagraphs(self) -> bool:
         """The compiled model replays CUDA graphs (these torch.compile modes record them)."""
         t = self.cfg.train
-        return bool(t.compile) and t.get("compile_mode", "default") in CUDAGRAPH_MODES
+        return bool(t.compile) and t.compile_mode in CUDAGRAPH_MODES
 
     @property
     def ckpt_dir(self) -> Path:

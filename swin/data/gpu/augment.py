@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.ops import interpreting
+from swin.config import ImageFolderDataConfig
 from swin.data.gpu.crop_resize import YCbCrImage, crop_resize, crop_resize_packed
 from swin.data.gpu.rand_augment import (
     AFFINE_BICUBIC,
@@ -215,9 +216,9 @@ def _check_interpolation(name: Any) -> str:
     return name
 
 
-def _jitter(cfg: Any) -> tuple[float, float, float] | None:
-    cj = cfg.get("color_jitter")
-    if cj is None or cfg.get("auto_augment"):  # timm turns colour jitter off when RandAugment is on
+def _jitter(cfg: ImageFolderDataConfig) -> tuple[float, float, float] | None:
+    cj = cfg.color_jitter
+    if cj is None or cfg.auto_augment:  # timm turns colour jitter off when RandAugment is on
         return None
     if isinstance(cj, (int, float)):
         cj = (float(cj),) * 3
@@ -228,17 +229,17 @@ def _jitter(cfg: Any) -> tuple[float, float, float] | None:
     return cj[:3] if any(cj[:3]) else None
 
 
-def train_spec(cfg: Any, img_size: Any) -> TrainSpec:
+def train_spec(cfg: ImageFolderDataConfig, img_size: int | Sequence[int]) -> TrainSpec:
     """The training transform of a folder data config (ValueError naming the data.* key it cannot do)."""
-    aa = cfg.get("auto_augment")
-    mean = cfg.get("mean", (0.485, 0.456, 0.406))
+    aa = cfg.auto_augment
+    mean = cfg.mean
     return TrainSpec(size=_pair(img_size), scale=tuple(cfg.scale), ratio=tuple(cfg.ratio), hflip=float(cfg.hflip),
                      interpolation=_check_interpolation(cfg.interpolation),
                      rand_augment=parse_rand_augment(aa) if aa else None, color_jitter=_jitter(cfg),
-                     fill=tuple(min(255, round(255 * m)) for m in mean), ycbcr=bool(cfg.get("gpu_ycbcr", False)))
+                     fill=tuple(min(255, round(255 * m)) for m in mean), ycbcr=cfg.gpu_ycbcr)
 
 
-def eval_spec(cfg: Any, img_size: Any) -> EvalSpec:
+def eval_spec(cfg: ImageFolderDataConfig, img_size: int | Sequence[int]) -> EvalSpec:
     size = _pair(img_size)
     if size[0] != size[1]:
         raise ValueError(f"data.decode=gpu evaluates square images only (model.img_size={list(size)}); "
