@@ -5,7 +5,7 @@ On a SLURM cluster through Hydra's submitit launcher (one task per GPU, one DDP 
 `python train.py -m hydra/launcher=slurm hydra.launcher.nodes=2 experiment=imagenet_swin_tiny data.root=...`.
 
 Configuration: configs/train.yaml and its groups (model/, data/, experiment/, hydra/launcher/); the loop:
-swin/engine.py.
+swin/train/loop.py (docs/design.md).
 """
 import sys
 

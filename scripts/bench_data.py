@@ -23,7 +23,7 @@ and CPU decoding with augmentation on the GPU (data.augment=gpu).
 Rows not started within ``time_budget_s`` are skipped; bench_data.json and bench_data.md (a table) are rewritten
 after every row. Examples:
 
-    python scripts/bench_data.py out_dir=$OUT/data                       # everything (~7 min on an H100)
+    python scripts/bench_data.py out_dir=$OUT/data                       # everything (several minutes)
     python scripts/bench_data.py root=/data/imagenet train.rows=[gpu] eval.enabled=false
     python scripts/bench_data.py loader.cpu_workers=[1,8] train.rows=[] eval.enabled=false   # loaders only
 """

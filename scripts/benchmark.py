@@ -230,9 +230,9 @@ def create_model(spec: RowSpec, name: str, arch: dict[str, Any]) -> nn.Module:
 
 @contextlib.contextmanager
 def sdpa_backends(spec: RowSpec) -> Iterator[None]:
-    """`sdpa_no_cudnn` rows: PyTorch's cuDNN attention off, so SDPA takes its memory-efficient kernel. On the
-    H100 (torch 2.11) SDPA picks cuDNN for timm's masked Swin attention, slower there than the memory-efficient
-    kernel in training; the fastest timm setting is the fair peer. The flag is read when SDPA is traced or
+    """`sdpa_no_cudnn` rows: PyTorch's cuDNN attention off, so SDPA takes its memory-efficient kernel. On Hopper
+    SDPA picks cuDNN for timm's masked Swin attention, slower there than the memory-efficient kernel in training;
+    the fastest timm setting is the fair peer. The flag is read when SDPA is traced or
     called, so it stays off for the whole row."""
     if spec.attention != "sdpa_no_cudnn":
         yield

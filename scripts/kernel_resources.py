@@ -9,8 +9,7 @@ spills decide occupancy (latency hiding) and shared memory decides whether a con
 at all (227 KB per block on Hopper), so kernel changes can be checked here before spending device
 time. Pointers, strides and head_dim (where it is) are declared multiples of 16, as Triton specialises
 them on the device; other integers stay unspecialised, and the local Triton may be newer than the
-device's, so absolute register counts differ (7x7 bf16 forward at commit ed9d92c: 201 here with Triton
-3.8, 175 on the H100 with Triton 3.6). Use it to compare variants with each other and to check shared
+device's, so absolute register counts differ. Use it to compare variants with each other and to check shared
 memory; confirm on the device.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@
 For each configuration and shape (scripts/bench_attention.py presets): registers and spills of both kernels
 (SWIN_FW_DEBUG), median forward / forward+backward GPU ms of the window op as the model calls it (timed as
 bench_attention.py does), and the GPU time of the attention kernels themselves per call (profiler): the eager op's
-forward+backward is host-bound at small shapes (docs/benchmarks.md), so the kernel columns are the ones to compare
+forward+backward is host-bound at small shapes (docs/performance.md), so the kernel columns are the ones to compare
 backward configurations by. For tuning on the GPU; bench_attention.py is the benchmark to compare backends.
 """
 from __future__ import annotations
@@ -23,10 +23,9 @@ import torch  # noqa: E402
 from scripts.bench_attention import DTYPES, PRESETS, Problem, flash_window, host_ms, make_inputs, median_ms  # noqa: E402
 from swin.models.windows import relative_position_index, shifted_window_mask  # noqa: E402
 
-# BWD_BLOCK_M=16 / 32: 49-token windows in several query blocks (ptxas sm_90a, bf16: 148 / 217 registers against
-# 180 for one 64-row block), the backward's register budget against the multi-block bias-gradient accumulation
-# HALF_BIAS=0: fp32 bias tiles instead of the input's half dtype (the default since it measured 5-10% faster
-# forward+backward on the H100; offline, sm_90a bf16: 7x7 backward 231 registers against 180)
+# BWD_BLOCK_M=16 / 32: 49-token windows in several query blocks, the backward's register budget against the
+# multi-block bias-gradient accumulation
+# HALF_BIAS=0: fp32 bias tiles instead of the input's half dtype (the default is faster; docs/performance.md)
 DEFAULT_CONFIGS = ["", "HALF_BIAS=0", "PROGRAMS_PER_SM=16", "PROGRAMS_PER_SM=64", "BWD_PROGRAMS_PER_SM=2",
                    "BWD_PROGRAMS_PER_SM=8", "BWD_BLOCK_M=16", "BWD_BLOCK_M=32", "BWD_BLOCK_M=16,BWD_PROGRAMS_PER_SM=8"]
 
