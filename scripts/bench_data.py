@@ -36,6 +36,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +46,78 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hydra  # noqa: E402
+from hydra.core.config_store import ConfigStore  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: E402
 
 import swin.config  # noqa: E402, F401  (registers the config schemas before Hydra composes)
-from swin.config import ImageFolderDataConfig, to_settings  # noqa: E402
+from swin.config import DataConfig, ImageFolderDataConfig, ModelConfig, to_settings  # noqa: E402
 from swin.data.datasets import build_datasets  # noqa: E402
 from swin.data.gpu.decode import jpeg_frame  # noqa: E402
 from swin.data.loaders import build_loaders  # noqa: E402
 from swin.train.distributed import pick_device  # noqa: E402
+
+
+# --- the config schema of configs/bench_data.yaml (Hydra structured config; the YAML keeps the values) ---
+@dataclass
+class GenerateConfig:
+    dir: str = MISSING
+    classes: int = MISSING
+    train_per_class: int = MISSING
+    val_per_class: int = MISSING
+    quality: int = MISSING
+
+
+@dataclass
+class LoaderBenchConfig:
+    enabled: bool = MISSING
+    cpu_workers: list[Any] = MISSING  # worker counts: ints, all or all-1
+    gpu_workers: Any = MISSING
+    gpu_thread_workers: Any = MISSING  # data.gpu_decode_thread=true rows: file-reading workers
+    gpu_augment_workers: Any = MISSING  # data.augment=gpu rows: workers decoding on the CPU
+    warmup_batches: int = MISSING
+    seconds: float = MISSING
+    min_batches: int = MISSING  # timed batches at least, whatever `seconds` says
+
+
+@dataclass
+class TrainBenchConfig:
+    rows: list[str] = MISSING
+    cpu_workers: Any = MISSING
+    gpu_workers: Any = MISSING
+    gpu_augment_workers: Any = MISSING
+    epochs: int = MISSING
+    compile: bool = MISSING
+    args: list[str] = MISSING
+    timeout_s: float = MISSING
+
+
+@dataclass
+class EvalBenchConfig:
+    enabled: bool = MISSING
+    workers: Any = MISSING
+
+
+@dataclass
+class BenchDataAppConfig:
+    """configs/bench_data.yaml (scripts/bench_data.py)."""
+
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    device: str = MISSING
+    root: str | None = MISSING
+    out_dir: str | None = MISSING
+    runs_dir: str | None = MISSING
+    batch_size: int = MISSING
+    seed: int = MISSING
+    time_budget_s: float = MISSING
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    loader: LoaderBenchConfig = field(default_factory=LoaderBenchConfig)
+    train: TrainBenchConfig = field(default_factory=TrainBenchConfig)
+    eval: EvalBenchConfig = field(default_factory=EvalBenchConfig)
+
+
+ConfigStore.instance().store(group="schema", name="bench_data", node=BenchDataAppConfig)
 
 # the data keys of each kind of loader / train row
 DECODE_KINDS = {

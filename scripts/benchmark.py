@@ -83,19 +83,88 @@ import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterable, Iterator  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
 import hydra  # noqa: E402
 import timm  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from hydra.core.config_store import ConfigStore  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from omegaconf import DictConfig, ListConfig, OmegaConf  # noqa: E402
+from omegaconf import (  # noqa: E402
+    MISSING,  # noqa: E402
+    DictConfig,
+    ListConfig,
+    OmegaConf,
+)
 
 import swin  # noqa: E402
 import swin.config  # noqa: E402, F401  (registers the config schemas before Hydra composes)
+from swin.config import ModelConfig  # noqa: E402
 from swin.train.distributed import pick_device  # noqa: E402
+
+
+# --- the config schema of configs/benchmark.yaml (Hydra structured config; the YAML keeps the values) ---
+@dataclass
+class GridRow:
+    """One row of a configs/grid/ entry: expands over compile x grid.batch_size x grid.precision."""
+
+    impl: str = MISSING
+    attention: str = MISSING
+    compile: list[bool] = field(default_factory=lambda: [False])
+    compile_mode: str | None = None  # None: the benchmark's compile_mode
+    fused_mlp_act: bool | None = None  # ours only: fc1 + GELU as one cuBLASLt GEMM in inference; None: the model's
+
+
+@dataclass
+class GridConfig:
+    batch_size: list[int] = MISSING
+    precision: list[str] = MISSING
+    rows: list[GridRow] = MISSING
+
+
+@dataclass
+class BenchStepsConfig:
+    warmup: int = MISSING
+    timed: int = MISSING
+    repeats: int = MISSING
+
+
+@dataclass
+class BenchOptimizerConfig:
+    lr: float = MISSING
+    weight_decay: float = MISSING
+    fused: Any = MISSING  # auto | true | false
+
+
+@dataclass
+class BenchProfileConfig:
+    enabled: bool = MISSING
+    steps: int = MISSING
+    trace: bool = MISSING
+    top_kernels: int = MISSING
+    saved_tensors: bool = MISSING
+
+
+@dataclass
+class BenchmarkAppConfig:
+    """configs/benchmark.yaml and configs/grid/ (scripts/benchmark.py)."""
+
+    model: ModelConfig = MISSING
+    grid: GridConfig = MISSING
+    steps: BenchStepsConfig = MISSING
+    device: str = MISSING
+    seed: int = MISSING
+    out_dir: str | None = MISSING
+    tf32: bool = MISSING
+    compile_mode: str = MISSING
+    time_budget_s: float = MISSING
+    optimizer: BenchOptimizerConfig = field(default_factory=BenchOptimizerConfig)
+    profile: BenchProfileConfig = field(default_factory=BenchProfileConfig)
+
+
+ConfigStore.instance().store(group="schema", name="benchmark", node=BenchmarkAppConfig)
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # keys of configs/model/*.yaml that describe the architecture (the others: attention, pretrained, ...)

@@ -1,12 +1,13 @@
 """Config schemas: Hydra structured configs giving every key of configs/ its type.
 
 The YAML files keep the values and their documentation; these dataclasses only say what each key accepts
-(every field is MISSING here, so a value lives in one place). train.yaml, eval.yaml, benchmark.yaml and
-bench_data.yaml start their defaults list with their schema (``/schema/train@_here_``...), and each
-configs/data/ file with its dataset's (``/schema/data/imagefolder@_here_``): Hydra then merges every config
-file and command-line override into a typed node, so ``train.lr=abc`` stops at start with Hydra's message
-naming the key and the type, and unknown keys stay rejected. Value ranges (``train.batch_size=-4``) are
-checked by swin.train.loop.check_config before anything is built.
+(every field is MISSING here, so a value lives in one place). train.yaml and eval.yaml start their defaults list
+with their schema (``/schema/train@_here_``; benchmark.yaml and bench_data.yaml with theirs, which live beside
+their scripts), and each configs/data/ file with its dataset's (``/schema/data/imagefolder@_here_``): Hydra then
+merges every config file and command-line override into a typed node, so ``train.lr=abc`` stops at start with
+Hydra's message naming the key and the type, and unknown keys stay rejected. Value ranges
+(``train.batch_size=-4``) are checked by swin.train.checks.check_config before anything is built; the package's
+internals then take the typed settings of :func:`to_settings`.
 
 Importing this module registers the schemas in Hydra's ConfigStore; the entry points import it before
 ``@hydra.main`` composes (tests before ``compose``).
@@ -196,121 +197,7 @@ class EvalAppConfig:
     output: str | None = MISSING
 
 
-@dataclass
-class GridRow:
-    """One row of a configs/grid/ entry: expands over compile x grid.batch_size x grid.precision."""
-
-    impl: str = MISSING
-    attention: str = MISSING
-    compile: list[bool] = field(default_factory=lambda: [False])
-    compile_mode: str | None = None  # None: the benchmark's compile_mode
-    fused_mlp_act: bool | None = None  # ours only: fc1 + GELU as one cuBLASLt GEMM in inference; None: the model's
                                        # default (on)
-
-
-@dataclass
-class GridConfig:
-    batch_size: list[int] = MISSING
-    precision: list[str] = MISSING
-    rows: list[GridRow] = MISSING
-
-
-@dataclass
-class BenchStepsConfig:
-    warmup: int = MISSING
-    timed: int = MISSING
-    repeats: int = MISSING
-
-
-@dataclass
-class BenchOptimizerConfig:
-    lr: float = MISSING
-    weight_decay: float = MISSING
-    fused: Any = MISSING  # auto | true | false
-
-
-@dataclass
-class BenchProfileConfig:
-    enabled: bool = MISSING
-    steps: int = MISSING
-    trace: bool = MISSING
-    top_kernels: int = MISSING
-    saved_tensors: bool = MISSING
-
-
-@dataclass
-class BenchmarkAppConfig:
-    """configs/benchmark.yaml and configs/grid/ (scripts/benchmark.py)."""
-
-    model: ModelConfig = MISSING
-    grid: GridConfig = MISSING
-    steps: BenchStepsConfig = MISSING
-    device: str = MISSING
-    seed: int = MISSING
-    out_dir: str | None = MISSING
-    tf32: bool = MISSING
-    compile_mode: str = MISSING
-    time_budget_s: float = MISSING
-    optimizer: BenchOptimizerConfig = field(default_factory=BenchOptimizerConfig)
-    profile: BenchProfileConfig = field(default_factory=BenchProfileConfig)
-
-
-@dataclass
-class GenerateConfig:
-    dir: str = MISSING
-    classes: int = MISSING
-    train_per_class: int = MISSING
-    val_per_class: int = MISSING
-    quality: int = MISSING
-
-
-@dataclass
-class LoaderBenchConfig:
-    enabled: bool = MISSING
-    cpu_workers: list[Any] = MISSING  # worker counts: ints, all or all-1
-    gpu_workers: Any = MISSING
-    gpu_thread_workers: Any = MISSING  # data.gpu_decode_thread=true rows: file-reading workers
-    gpu_augment_workers: Any = MISSING  # data.augment=gpu rows: workers decoding on the CPU
-    warmup_batches: int = MISSING
-    seconds: float = MISSING
-    min_batches: int = MISSING  # timed batches at least, whatever `seconds` says
-
-
-@dataclass
-class TrainBenchConfig:
-    rows: list[str] = MISSING
-    cpu_workers: Any = MISSING
-    gpu_workers: Any = MISSING
-    gpu_augment_workers: Any = MISSING
-    epochs: int = MISSING
-    compile: bool = MISSING
-    args: list[str] = MISSING
-    timeout_s: float = MISSING
-
-
-@dataclass
-class EvalBenchConfig:
-    enabled: bool = MISSING
-    workers: Any = MISSING
-
-
-@dataclass
-class BenchDataAppConfig:
-    """configs/bench_data.yaml (scripts/bench_data.py)."""
-
-    model: ModelConfig = MISSING
-    data: DataConfig = MISSING
-    device: str = MISSING
-    root: str | None = MISSING
-    out_dir: str | None = MISSING
-    runs_dir: str | None = MISSING
-    batch_size: int = MISSING
-    seed: int = MISSING
-    time_budget_s: float = MISSING
-    generate: GenerateConfig = field(default_factory=GenerateConfig)
-    loader: LoaderBenchConfig = field(default_factory=LoaderBenchConfig)
-    train: TrainBenchConfig = field(default_factory=TrainBenchConfig)
-    eval: EvalBenchConfig = field(default_factory=EvalBenchConfig)
 
 
 def to_settings(cfg: DictConfig | T) -> T:
@@ -334,8 +221,7 @@ def as_folder(data: DataConfig) -> ImageFolderDataConfig | None:
 def register_configs() -> None:
     """Put the schemas into Hydra's ConfigStore (group schema/, referenced by the YAML defaults lists)."""
     cs = ConfigStore.instance()
-    for name, node in (("train", TrainAppConfig), ("eval", EvalAppConfig), ("benchmark", BenchmarkAppConfig),
-                       ("bench_data", BenchDataAppConfig)):
+    for name, node in (("train", TrainAppConfig), ("eval", EvalAppConfig)):
         cs.store(group="schema", name=name, node=node)
     for name, node in (("digits", DigitsDataConfig), ("imagefolder", ImageFolderDataConfig),
                        ("synthetic", SyntheticDataConfig)):

@@ -1,5 +1,6 @@
-"""The config schemas (swin/config.py): every YAML key and value composes through them unchanged, every config
-file of a group composes, and a wrong type, an unknown key or a key of another dataset is refused at composition."""
+"""The config schemas (swin/config.py, and the benchmarks' beside their scripts): every YAML key and value composes
+through them unchanged, every config file of a group composes, and a wrong type, an unknown key or a key of another
+dataset is refused at composition."""
 import re
 
 import pytest
@@ -9,6 +10,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+import scripts.bench_data  # noqa: F401  (registers the schema of configs/bench_data.yaml, beside its script)
+import scripts.benchmark  # noqa: F401  (likewise configs/benchmark.yaml)
 from swin.config import DigitsDataConfig, ImageFolderDataConfig, SyntheticDataConfig, TrainConfig
 
 CONFIGS = REPO / "configs"
