@@ -99,7 +99,7 @@ def _to_tuple(x: Any) -> Any:
 
 
 def save_checkpoint(run: Run, name: str, epoch: int, step: int) -> None:
-    """All ranks call this (RNG states are gathered); rank 0 writes. Called after a check point, so that the
+    """All ranks call this (RNG states are gathered); rank 0 writes. Called after a sync point, so that the
     non-finite count is current (skipped updates never reach the weights; save_train_state also refuses NaN)."""
     rngs = all_gather_object(capture_rng())
     if not run.dist.is_main:

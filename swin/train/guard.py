@@ -13,7 +13,7 @@ and EMA stay exactly as they were. AMP's GradScaler skips steps the same way: a 
   ``train.opt_fused=true``) reads the flag on the host: one sync per update, still exact;
 * :func:`EmaUpdater` lerps the EMA weights with weight ``(1 - decay) * (not skipped)``;
 * :class:`StepStats` counts non-finite updates (consecutive, the longest run in a row, total) and sums the
-  losses on the device; the host reads them at check points (log lines, epoch ends, before checkpoints).
+  losses on the device; the host reads them at sync points (log lines, epoch ends, before checkpoints).
 
 With an fp16 GradScaler the scaler keeps its own logic (skip and back off on overflowing gradients,
 which are routine and not counted); a non-finite loss is made visible to it by adding ``loss * 0``
@@ -116,7 +116,7 @@ class StepCounts(NamedTuple):
 
 
 class StepStats:
-    """Device-side counters of the training steps, read on the host only at check points.
+    """Device-side counters of the training steps, read on the host only at sync points.
 
     ``values`` = [non-finite updates in a row, non-finite updates in total, sum of finite step losses this
     epoch, number of those steps, the longest run in a row since the last read]; the longest run lets the host

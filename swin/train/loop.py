@@ -107,11 +107,11 @@ def _run(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo, preemption: Preempt
 @dataclass
 class EpochClock:
     """Host-side timing of an epoch's updates after its first (loader start-up and compilation excluded):
-    images/s and the fraction of wall time spent blocked in next(loader). Both are taken at check points,
+    images/s and the fraction of wall time spent blocked in next(loader). Both are taken at sync points,
     where the device has been synchronised, so host time there is device time."""
 
     t_first: float | None = None  # end of the first update (synchronised)
-    t_last: float | None = None  # last check point
+    t_last: float | None = None  # last sync point
     images: int = 0  # images of the timed updates, all processes
     data_wait: float = 0.0  # seconds blocked in next(loader) during the timed updates (this process)
 
@@ -128,7 +128,7 @@ class EpochClock:
             self.images += images
 
     def mark(self) -> None:
-        """A check point: the device is synchronised, all counted updates are done."""
+        """A sync point: the device is synchronised, all counted updates are done."""
         now = time.perf_counter()
         if self.t_first is None:
             self.t_first = now
@@ -196,10 +196,10 @@ def sync_and_log(run: Run, reads: _Reads, clock: EpochClock, epoch: int, step: i
 def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
     """The updates of one epoch (from run.step_in_epoch on); returns the epoch's training record.
 
-    The device is synchronised only at check points: after the epoch's first update, at log lines (every
+    The device is synchronised only at sync points: after the epoch's first update, at log lines (every
     logger.log_every_steps updates), before mid-epoch checkpoints and at the end; each sync idles the GPU while
     the host queues the next update. The device keeps the longest run of non-finite updates since the last
-    read, so a run with train.max_nonfinite of them in a row stops at the next check point; the skipped updates
+    read, so a run with train.max_nonfinite of them in a row stops at the next sync point; the skipped updates
     never change the weights.
     """
     t = run.cfg.train

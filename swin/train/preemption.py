@@ -57,7 +57,7 @@ class PreemptionFlag:
             self._installed = False
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.received = True  # acted upon at the loop's next check point, never inside a step
+        self.received = True  # acted upon at the loop's next sync point, never inside a step
 
     def agreed(self, device: torch.device) -> bool:
         """True on every process when any process got the signal."""
