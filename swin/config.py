@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 T = TypeVar("T")
 FOLDER_DATASETS = ("imagefolder", "imagenet")  # data= configs of ImageFolderDataConfig
@@ -204,7 +205,12 @@ def to_settings(cfg: DictConfig | T) -> T:
     """A composed config as its schema's dataclass objects (TrainAppConfig, ImageFolderDataConfig, ...), every
     interpolation resolved: what the package's internals take. Already converted objects pass through."""
     if isinstance(cfg, DictConfig):
-        return cast(T, OmegaConf.to_object(cfg))
+        try:
+            return cast(T, OmegaConf.to_object(cfg))
+        except MissingMandatoryValue as e:  # a ??? value: the config file says the key is required
+            key = e.full_key or "a key"
+            value = "/path/to/dataset" if key == "data.root" else "<value>"
+            raise ConfigError(f"{key} is required and not set: add {key}={value} to the command line") from None
     return cfg
 
 

@@ -96,3 +96,14 @@ def test_model_sizes_take_an_int_or_height_width():
                            ("model.window_size=[4,4,4]", "model.window_size=[4, 4, 4]: use an integer or")):
         with pytest.raises(ConfigError, match=re.escape(says)):
             check_config(make_cfg(override), 1, cpu)
+
+
+def test_a_required_key_left_unset_stops_with_one_line():
+    """data=imagenet without data.root (a ??? value in its file): a ConfigError naming the key, from the conversion
+    to typed settings (swin.config.to_settings), before anything is built."""
+    from swin.train.checks import ConfigError, check_config
+
+    with pytest.raises(ConfigError, match=re.escape("data.root is required and not set: add "
+                                                    "data.root=/path/to/dataset to the command line")):
+        check_config(make_cfg("data=imagenet"), 1, torch.device("cpu"))
+    assert check_config(make_cfg("data=imagenet", "data.root=/x"), 1, torch.device("cpu")).data.root == "/x"

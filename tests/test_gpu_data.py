@@ -868,7 +868,7 @@ def test_gpu_decode_workers_get_an_indexed_device_and_spawn(monkeypatch, tmp_pat
     (tmp_path / "c0").mkdir()
     (tmp_path / "c0" / "a.JPEG").write_bytes(b"never read")
     ds = EncodedImageFolder(tmp_path, ga.TrainTransform(ga.TrainSpec((8, 8))), skip_corrupt=False)
-    folder = to_settings(make_cfg("data=imagenet").data)
+    folder = to_settings(make_cfg("data=imagenet", "data.root=/nowhere").data)
     cfg = replace(folder, num_workers=4, batch_ring="host")  # (the default; a ring in the GPU's memory: below)
     spawned = _worker_settings(cfg, torch.device("cuda", 0), ds, batch_size=16)
     assert spawned["multiprocessing_context"] == "spawn" and not spawned["pin_memory"]  # the ring is pinned
@@ -897,7 +897,7 @@ def test_gpu_decode_workers_say_when_no_mps_daemon_runs(monkeypatch, tmp_path, c
     pipe.mkdir()
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe))
     assert not mps_running()
-    folder = to_settings(make_cfg("data=imagenet").data)
+    folder = to_settings(make_cfg("data=imagenet", "data.root=/nowhere").data)
     with caplog.at_level("WARNING", logger="swin.data"):
         _worker_settings(replace(folder, num_workers=3), torch.device("cuda", 0), ds, 4)
         _worker_settings(replace(folder, num_workers=0), torch.device("cuda", 0), ds, 4)  # in this process: no contexts
