@@ -21,13 +21,15 @@ def eager_launch(x: torch.Tensor) -> bool:
 
 
 def launch(kernel, grid: tuple[int], *args, **keywords):
-    """Launches a kernel through wrap_triton, so torch.compile sees (and inlines) the launch; directly
-    under the Triton interpreter."""
+    """Launches a kernel: where torch.compile traces it (fake tensors), through wrap_triton, so the compiled code
+    inlines the launch; an eager call (args[0] a real tensor, not compiling) straight away, as wrap_triton outside
+    a compiled graph would dispatch a higher-order op per launch; under the Triton interpreter, straight away on
+    real tensors and not at all on fake ones (the ops' shape functions, see kernel_op: no data to run on)."""
     if interpreting():
-        # the interpreter runs the kernel as Python on real tensors; fake tensors (the ops' shape
-        # functions, see kernel_op) have no data to run it on
         if any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
             return None
+        return kernel[grid](*args, **keywords)
+    if eager_launch(args[0]):
         return kernel[grid](*args, **keywords)
     return wrap_triton(kernel)[grid](*args, **keywords)
 

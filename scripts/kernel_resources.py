@@ -28,8 +28,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.flash_window import _launch_config, kernel_constants, tile_dtype, tile_rows  # noqa: E402
-from kernels.flash_window_triton import window_attn_bwd_kernel, window_attn_fwd_kernel  # noqa: E402
+from kernels.flash_window.plan import kernel_constants, launch_config, tile_dtype, tile_rows  # noqa: E402
+from kernels.flash_window.triton_kernels import window_attn_bwd_kernel, window_attn_fwd_kernel  # noqa: E402
 
 HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
 DTYPES = {"bf16": ("*bf16", 2), "fp16": ("*fp16", 2), "fp32": ("*fp32", 4)}
@@ -75,13 +75,13 @@ def resources(window: tuple[int, int], head_dim: int, dtype: str, shifted: bool,
     data_ptr, itemsize = DTYPES[dtype]
     rows = []
     for fn, backward in ((window_attn_fwd_kernel, False), (window_attn_bwd_kernel, True)):
-        cfg = _launch_config(1024, 4, window[0] * window[1], head_dim, torch.device("cpu"), backward=backward,
+        cfg = launch_config(1024, 4, window[0] * window[1], head_dim, torch.device("cpu"), backward=backward,
                              itemsize=itemsize)
         bias_rows = tile_rows(1024, 4, window[0] * window[1], head_dim, torch.device("cpu"), itemsize)
         constants = kernel_constants(cfg, window, shifted, False, torch.float32 if dtype == "fp32" else torch.bfloat16,
                                      cosine, bias_rows)
         if not backward:
-            constants["PDL"] = False  # a launch option of eager calls (kernels.flash_window._dependent_launch)
+            constants["PDL"] = False  # a launch option of eager calls (kernels.flash_window.plan.forward_plan)
         # the forward both ways where its tile may stay in registers: launches with fewer windows per program load it
         # per window, which takes more shared memory
         variants = [{"RESIDENT_BIAS": False}, {"RESIDENT_BIAS": True}] if constants.get("RESIDENT_BIAS") else [{}]

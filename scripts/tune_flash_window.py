@@ -1,4 +1,4 @@
-"""Launch-parameter sweep of the flash window kernels (SWIN_FW_* knobs of kernels/flash_window.py).
+"""Launch-parameter sweep of the flash window kernels (SWIN_FW_* knobs of kernels/flash_window/plan.py).
 
     python scripts/tune_flash_window.py                       # Swin-T stage 1 and 2, shifted, bf16, a few configs
     python scripts/tune_flash_window.py --shapes swin_b384_stage1 --config BWD_WARPS=4 --config BWD_PROGRAMS_PER_SM=8
@@ -12,7 +12,6 @@ backward configurations by. For tuning on the GPU; bench_attention.py is the ben
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from kernels.flash_window import plan  # noqa: E402
 from scripts.bench_attention import DTYPES, PRESETS, Problem, flash_window, host_ms, make_inputs, median_ms  # noqa: E402
 from swin.models.windows import relative_position_index, shifted_window_mask  # noqa: E402
 
@@ -103,11 +103,12 @@ def print_kernels(fn, reset, label: str) -> None:
 
 
 def _set_knobs(config: str) -> None:
-    for key in [k for k in os.environ if k.startswith("SWIN_FW_") and k != "SWIN_FW_DEBUG"]:
-        del os.environ[key]
+    """The kernels' tuning for one configuration: SWIN_FW_<KNOB> values over the defaults (plan.set_tuning)."""
+    env = {"SWIN_FW_DEBUG": "1"}  # the glue prints registers and spills of each new compilation
     for item in filter(None, config.split(",")):
         key, value = item.split("=")
-        os.environ[f"SWIN_FW_{key}"] = value
+        env[f"SWIN_FW_{key}"] = value
+    plan.set_tuning(plan.Tuning.from_env(env))
 
 
 def main() -> None:
@@ -119,7 +120,6 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_flash_window.py needs a CUDA GPU")
-    os.environ["SWIN_FW_DEBUG"] = "1"  # the glue prints registers and spills of each new compilation
     rows = []
     configs = args.config or DEFAULT_CONFIGS
     for config in configs:

@@ -5,6 +5,7 @@ TRITON_INTERPRET=1): fp32 and fp16, small shapes. GPU tests (bf16 included) skip
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,12 +17,23 @@ from _inductor_code import data_moving_kernels, moves_only_data
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import swin
-from kernels.flash_window import _launch_config, flash_window_attention, flash_window_attention_image
+from kernels.flash_window import flash_window_attention, flash_window_attention_image, plan
+from kernels.flash_window.plan import launch_config as _launch_config
 from swin.models.attention import WindowAttentionArgs, standard_attention
 from swin.models.windows import WindowSpec, relative_position_index, shifted_window_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _knob(monkeypatch, name: str, value: str | None) -> None:
+    """Set (or, with None, unset) the SWIN_FW_<name> tuning knob for this test: the kernels read the knobs into
+    plan.TUNING (at import), so it is refreshed here and restored after the test."""
+    if value is None:
+        monkeypatch.delenv(f"SWIN_FW_{name}", raising=False)
+    else:
+        monkeypatch.setenv(f"SWIN_FW_{name}", value)
+    monkeypatch.setattr(plan, "TUNING", plan.Tuning.from_env())
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -115,7 +127,7 @@ def test_window_op_takes_a_dense_bias(case):
 def test_table_gradient_sums_each_entrys_token_pairs():
     """The table gradient kernel against index_add over timm's relative index, for windows square, wide and tall
     (one program per head and row offset dy, a (query token, dx) tile each)."""
-    from kernels.flash_window import _bias_grad
+    from kernels.flash_window.launch import _bias_grad
     for window in [(7, 7), (3, 5), (5, 2), (1, 4)]:
         n = window[0] * window[1]
         dense = torch.randn(3, n, n, device=DEVICE)
@@ -139,11 +151,11 @@ def test_window_op_programs_loop_over_windows(sets, head_minor, resident, monkey
     to six) whose windows are each of one mask class and keep one bias tile in the forward (resident: the fewest
     windows per program for that), neighbouring programs on the heads of a window or on the windows of a head: same
     numbers (forward and backward; on the interpreter the knob is programs per head)."""
-    monkeypatch.setenv("SWIN_FW_PROGRAMS_PER_SM", sets)
-    monkeypatch.setenv("SWIN_FW_BWD_PROGRAMS_PER_SM", sets)
-    monkeypatch.setenv("SWIN_FW_HEAD_MINOR", head_minor)
-    monkeypatch.setenv("SWIN_FW_BWD_HEAD_MINOR", head_minor)
-    monkeypatch.setenv("SWIN_FW_RESIDENT_MIN_WINDOWS", resident)
+    _knob(monkeypatch, "PROGRAMS_PER_SM", sets)
+    _knob(monkeypatch, "BWD_PROGRAMS_PER_SM", sets)
+    _knob(monkeypatch, "HEAD_MINOR", head_minor)
+    _knob(monkeypatch, "BWD_HEAD_MINOR", head_minor)
+    _knob(monkeypatch, "RESIDENT_MIN_WINDOWS", resident)
     check_window_op(2, (2, 3), (4, 4), (2, 2), 2, 16, torch.float32)
 
 
@@ -151,7 +163,7 @@ def test_resident_bias_only_where_a_programs_windows_share_a_class():
     """A forward program keeps one bias tile for all its windows only where they are all of one mask class: a
     program takes every sets-th window, so sets rounds down to a multiple of the windows per image; and only where a
     program has at least 4 windows. Launch configs: 16-bit one-block windows only (fp32 tiles take 32 registers)."""
-    from kernels.flash_window import _launch_config, resident_sets
+    from kernels.flash_window.plan import resident_sets
     for sets, per_image, expected in [(6, 6, 6), (11, 6, 6), (13, 6, 12), (19, 6, 0), (5, 6, 0), (11, 1, 11),
                                       (13, 1, 0), (1, 1, 1)]:
         assert resident_sets(sets, 48, per_image) == expected, (sets, per_image)
@@ -168,7 +180,7 @@ def test_forward_programs_per_sm_leave_each_program_four_windows():
     """The forward's resident program sets on a 132-SM GPU (H100, H200) at batch 128: the most of 32, 16, 8 and 4
     programs per SM that leave each program 4 windows or more, all of one mask class; none (then 32 per SM, tiles
     loaded per window) where no count allows it."""
-    from kernels.flash_window import resident_forward_sets
+    from kernels.flash_window.plan import resident_forward_sets
     # (windows, heads, windows per image of a shifted block) -> (programs per SM, sets)
     cases = {"swin_t 1": (8192, 3, 64, 1408), "swin_t 2": (2048, 6, 16, 352), "swin_t 3": (512, 12, 4, 88),
              "swin_t 4": (128, 24, 1, 22), "swin_b 1": (8192, 4, 64, 1024), "swin_b 2": (2048, 8, 16, 256),
@@ -203,9 +215,9 @@ def test_four_windows_of_a_grid_stand_for_every_windows_mask():
 def test_window_op_query_blocks_accumulate_over_windows(sets, monkeypatch):
     """Several query blocks per window (25 tokens in blocks of 16: padded rows and columns) in programs that each
     loop over several windows: the backward's running bias-gradient rows add up window after window."""
-    monkeypatch.setenv("SWIN_FW_BLOCK_M", "16")
-    monkeypatch.setenv("SWIN_FW_BWD_BLOCK_M", "16")
-    monkeypatch.setenv("SWIN_FW_BWD_PROGRAMS_PER_SM", sets)
+    _knob(monkeypatch, "BLOCK_M", "16")
+    _knob(monkeypatch, "BWD_BLOCK_M", "16")
+    _knob(monkeypatch, "BWD_PROGRAMS_PER_SM", sets)
     check_window_op(2, (2, 3), (5, 5), (2, 2), 2, 16, torch.float32)
 
 
@@ -218,13 +230,13 @@ def test_keys_of_multi_block_windows_split_where_that_pads_less(monkeypatch):
     assert keys(144) == keys(144, backward=False) == (128, 16)
     assert keys(72) == (64, 16)
     assert keys(256) == (256, 0) and keys(81) == (128, 0) and keys(49) == (64, 0) and keys(64) == (64, 0)
-    monkeypatch.setenv("SWIN_FW_TAIL", "0")
+    _knob(monkeypatch, "TAIL", "0")
     assert keys(144) == (256, 0)
 
 
 def test_window_op_without_key_tail(monkeypatch):
     """The one padded 256-key tile (SWIN_FW_TAIL=0) stays correct: 144-token windows, fp16, bias gradient too."""
-    monkeypatch.setenv("SWIN_FW_TAIL", "0")
+    _knob(monkeypatch, "TAIL", "0")
     check_window_op(1, (2, 2), (12, 12), (6, 6), 2, 16, torch.float16)
 
 
@@ -233,11 +245,11 @@ def test_window_op_half_bias_tiles(window, shift, monkeypatch):
     """HALF_BIAS (the default): the bias-plus-mask tiles in the input's half dtype (as timm's SDPA path adds them); the
     output and every gradient, the bias table's included (summed in fp32), stay within fp16 tolerance of float64
     math."""
-    monkeypatch.delenv("SWIN_FW_HALF_BIAS", raising=False)
+    _knob(monkeypatch, "HALF_BIAS", None)
     check_window_op(1, (2, 2), window, shift, 2, 16, torch.float16)
     q, k, v, table = make_inputs(1, (2, 2), window, 2, 16, torch.float16, DEVICE)
     half = run_window_op(q, k, v, table, window, shift, (2, 2), 0.25)
-    monkeypatch.setenv("SWIN_FW_HALF_BIAS", "0")
+    _knob(monkeypatch, "HALF_BIAS", "0")
     assert not torch.equal(half, run_window_op(q, k, v, table, window, shift, (2, 2), 0.25))  # the knob took effect
 
 
@@ -318,9 +330,9 @@ def test_image_op_cosine_matches_reference(feat, window, shifted, dtype):
 def test_image_op_resident_bias_tiles(cosine, monkeypatch):
     """Forward programs that keep one bias tile for all their windows (9 program sets: each takes the windows at one
     position of the padded 3x3 window grid, so of one mask class), shifted and padded, V1 and V2 attention."""
-    monkeypatch.setenv("SWIN_FW_PROGRAMS_PER_SM", "9")
-    monkeypatch.setenv("SWIN_FW_RESIDENT_MIN_WINDOWS", "1")
-    import kernels.flash_window as fw
+    _knob(monkeypatch, "PROGRAMS_PER_SM", "9")
+    _knob(monkeypatch, "RESIDENT_MIN_WINDOWS", "1")
+    import kernels.flash_window.launch as fw
     launch, launched = fw._launch, {}
 
     def record(kernel, grid, *args, **constants):
@@ -389,8 +401,12 @@ class _OpRecorder(TorchDispatchMode):
         self.ops: set[str] = set()
         self.large: set[str] = set()
 
+    paused = False  # set while a Triton kernel runs (in the interpreter: its own copies of the arguments)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         name = func.overloadpacket.__name__
         self.ops.add(name)
         if any(isinstance(t, torch.Tensor) and t.numel() >= self.min_numel
@@ -400,22 +416,34 @@ class _OpRecorder(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("attention", ["flash_window", "standard"])
-def test_flash_block_moves_no_data_around_attention(attention):
-    """Issue 4: in a shifted, padded block the flash path reads qkv and writes its output in image layout:
-    no roll, pad, partition permute or copy of activation-sized data around attention, forward or backward
-    (the (heads, L, L) bias gather is not activation-sized). The standard backend, recorded the same way,
-    shows those ops (so the recorder sees them)."""
+def test_flash_block_moves_no_data_around_attention(attention, monkeypatch):
+    """In a shifted, padded block the flash path reads qkv and writes its output in image layout: no roll, pad,
+    partition permute or copy of activation-sized data around attention, forward or backward (the (heads, L, L)
+    bias gather is not activation-sized), and the kernels run (eager calls launch them without an op dispatch).
+    The standard backend, recorded the same way, shows those ops (so the recorder sees them)."""
+    import kernels.flash_window.launch as fw
     model = swin.create_model("swin_micro", attention=attention, img_size=(22, 26)).to(DEVICE)
     block = model.layers[0].blocks[1]
     assert any(block.shift_size)
     x = torch.randn(2, *block.feat_size, block.norm1.normalized_shape[0], device=DEVICE, requires_grad=True)
     assert block.spec_for(block.feat_size).padded
-    with _OpRecorder(min_numel=x.numel()) as recorder:
+    recorder, launch, launched = _OpRecorder(min_numel=x.numel()), fw._launch, []
+
+    def record_launch(kernel, *args, **keywords):  # the kernel, not what the interpreter does to run it on the CPU
+        launched.append(kernel.fn.__name__)
+        recorder.paused = True
+        try:
+            return launch(kernel, *args, **keywords)
+        finally:
+            recorder.paused = False
+
+    monkeypatch.setattr(fw, "_launch", record_launch)
+    with recorder:
         block(x).sum().backward()
     moves = {"roll", "constant_pad_nd", "pad", "clone", "copy_", "_to_copy", "permute", "cat", "index",
              "_unsafe_view", "contiguous", "as_strided"} & recorder.large
     if attention == "flash_window":
-        assert {"flash_window_attn_image", "flash_window_attn_image_bwd"} <= recorder.ops
+        assert {"window_attn_fwd_kernel", "window_attn_bwd_kernel"} <= set(launched)
         assert not moves, moves
     else:
         assert {"roll", "constant_pad_nd", "permute"} <= moves
@@ -428,7 +456,8 @@ _ACCESS_PROBE = textwrap.dedent("""
     import json, sys, torch, triton
     from triton.backends.compiler import GPUTarget
     import torch._higher_order_ops.triton_kernel_wrap as tkw
-    import kernels.flash_window as fw
+    import kernels.flash_window.launch as fw
+    import kernels.flash_window.ops as ops
 
     class Hopper:
         def get_current_target(self):
@@ -447,13 +476,13 @@ _ACCESS_PROBE = textwrap.dedent("""
     qkv = torch.randn(2, 9, 10, 3, 2, 16)
     bias, mask, fill = torch.randn(2, 49, 49), torch.randn(4, 49, 49), torch.randn(2, 2, 16)
     table, tiles = torch.randn(169, 2), torch.randn(4, 2, 64, 64)
-    fw._image_op(qkv, table, mask, fill, None, [7, 7], [3, 3], 0.25)
-    fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, tiles, table, fill, None, [7, 7], [3, 3], 0.25)
-    fw._image_op(qkv, table, mask, fill, torch.rand(2), [7, 7], [3, 3], 1.0)
-    fw._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, tiles, table, fill, torch.rand(2), [7, 7], [3, 3], 1.0)
+    ops._image_op(qkv, table, mask, fill, None, [7, 7], [3, 3], 0.25)
+    ops._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, tiles, table, fill, None, [7, 7], [3, 3], 0.25)
+    ops._image_op(qkv, table, mask, fill, torch.rand(2), [7, 7], [3, 3], 1.0)
+    ops._image_op_bwd(torch.randn(2, 9, 10, 2, 16), qkv, tiles, table, fill, torch.rand(2), [7, 7], [3, 3], 1.0)
     q = torch.randn(8, 2, 49, 16)
-    fw._window_op(q, q, q, bias, mask, [2, 2], [1, 49], 0.25)
-    fw._window_op_bwd(q, q, q, q, tiles, bias, [2, 2], [1, 49], 0.25)
+    ops._window_op(q, q, q, bias, mask, [2, 2], [1, 49], 0.25)
+    ops._window_op_bwd(q, q, q, q, tiles, bias, [2, 2], [1, 49], 0.25)
     json.dump([[kernel.__name__, written(kernel, kwargs)] for kernel, kwargs in launches], sys.stdout)
 """)
 
@@ -738,3 +767,44 @@ def test_gpu_model_compiled_matches_eager(dtype):
     (ref.float() * probe).sum().backward()
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):
         assert rel_err(q.grad, p.grad) < (1e-3 if dtype == torch.float32 else 5e-2), name
+
+
+def test_launch_plans_are_computed_once_per_call_key(monkeypatch):
+    """An eager call's launch parameters come from a plan cached per (geometry, dtype, device, flags, tuning): a
+    repeated call computes none, another batch size or another tuning computes its own. Without gradients the call
+    skips the autograd function and gives the same output."""
+    calls = []
+    config = plan.launch_config
+    monkeypatch.setattr(plan, "launch_config", lambda *a, **k: calls.append(a) or config(*a, **k))
+    plan.forward_plan.cache_clear()
+    plan.backward_plan.cache_clear()
+    spec, qkv, qkv_bias, table = image_op_inputs((10, 13), (4, 5), True, 2, torch.float32)
+    out = run_image_op(spec, qkv, qkv_bias, table, 0.25)
+    out.backward(torch.randn_like(out))
+    first = len(calls)
+    assert first > 0
+    again = run_image_op(spec, qkv, qkv_bias, table, 0.25)
+    again.backward(torch.randn_like(again))
+    assert len(calls) == first  # the cached plans: no launch arithmetic again
+    with torch.no_grad():
+        assert torch.equal(run_image_op(spec, qkv, qkv_bias, table, 0.25), out.detach())
+    assert len(calls) == first
+    other = torch.randn(1, *qkv.shape[1:], dtype=qkv.dtype)  # another batch: its own plan
+    flash_window_attention_image(other, table, shifted_window_mask(spec, DEVICE), qkv_bias, spec.window_size,
+                                 spec.shift_size, 0.25)
+    assert len(calls) > first
+    seen = len(calls)
+    _knob(monkeypatch, "TAIL", "0")  # another tuning: its own plan
+    run_image_op(spec, qkv, qkv_bias, table, 0.25)
+    assert len(calls) > seen
+
+
+def test_tuning_knobs_are_read_into_one_object():
+    """SWIN_FW_* variables become a hashable Tuning (part of the plans' cache key); a bad value is one clear line."""
+    tuning = plan.Tuning.from_env({"SWIN_FW_TAIL": "0", "SWIN_FW_BWD_WARPS": "4", "SWIN_FW_DEBUG": "1", "HOME": "/"})
+    assert tuning.get("TAIL", 1) == 0 and tuning.get("BWD_WARPS", 8) == 4 and tuning.get("WARPS", 8) == 8
+    assert tuning.sets("TAIL") and not tuning.sets("WARPS") and tuning.debug
+    assert hash(tuning) == hash(plan.Tuning.from_env({"SWIN_FW_BWD_WARPS": "4", "SWIN_FW_TAIL": "0",
+                                                      "SWIN_FW_DEBUG": "1"}))
+    with pytest.raises(ValueError, match=re.escape("SWIN_FW_TAIL='off': give an integer")):
+        plan.Tuning.from_env({"SWIN_FW_TAIL": "off"})
