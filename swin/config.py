@@ -138,7 +138,7 @@ class TrainConfig:
     mixup_switch_prob: float = MISSING
     mixup_mode: str = MISSING
     amp: str = MISSING
-    compile: bool = MISSING
+    compile: Any = MISSING  # auto | true | false (OmegaConf has no str-or-bool type; check_config checks it)
     compile_mode: str = MISSING
     grad_checkpointing: bool = MISSING
     ema: bool = MISSING

@@ -17,6 +17,7 @@ from swin.models.registry import MODEL_CONFIGS
 from swin.precision import AMP_CHOICES
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
 # optimizers (timm names of torch.optim classes) built with fused=True on CUDA: their kernels skip a
 # non-finite step on the device (see swin.train.guard)
 FUSED_OPTS = ("adamw", "adam")
@@ -92,8 +93,10 @@ def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torc
     if t.opt_fused is True and t.opt.lower() not in FUSED_OPTS:
         raise ConfigError(f"train.opt_fused=true needs train.opt={' or '.join(FUSED_OPTS)} (torch's fused kernels); "
                           f"set train.opt_fused=auto for train.opt={t.opt}")
-    if t.compile_mode not in COMPILE_MODES:
-        raise ConfigError(f"train.compile_mode={t.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
+    if t.compile not in ("auto", True, False):
+        raise ConfigError(f"train.compile={t.compile!r}: use auto (compile on CUDA), true or false")
+    if t.compile_mode not in ("auto", *COMPILE_MODES):
+        raise ConfigError(f"train.compile_mode={t.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}, or auto")
     if t.amp not in AMP_CHOICES:
         raise ConfigError(f"train.amp={t.amp!r}: use auto, bf16, fp16 or fp32")
     try:
@@ -120,3 +123,15 @@ def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torc
     if cfg.logger.wandb.mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r}: use online, offline or disabled")
     return cfg
+
+
+def compile_mode(compile: Any, mode: str, device: torch.device, world_size: int) -> str | None:
+    """The torch.compile mode train.compile and train.compile_mode ask for on ``device`` with ``world_size``
+    processes, or None (eager). compile=auto compiles on CUDA only (on the CPU compiling costs more than it saves);
+    mode=auto takes CUDA graphs (reduce-overhead) on one GPU, where the compiled step is host-bound without them,
+    and the default mode under DDP."""
+    if compile is False or (compile == "auto" and torch.device(device).type != "cuda"):
+        return None
+    if mode != "auto":
+        return mode
+    return "reduce-overhead" if torch.device(device).type == "cuda" and world_size == 1 else "default"

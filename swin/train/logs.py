@@ -78,7 +78,7 @@ def write_summary(run: Run, train_time: float) -> dict[str, Any]:
         "nonfinite_steps": run.nonfinite_total, "skipped_images": run.skipped_total,
         # data.decode=gpu: images nvJPEG could not decode, decoded on the CPU instead (all epochs)
         "cpu_decoded_images": sum(r.get("cpu_decoded_images", 0) for r in history),
-        "amp": run.amp, "ema": bool(t.ema), "compile": bool(t.compile), "history": history,
+        "amp": run.amp, "ema": bool(t.ema), "compile": run.compile_mode or False, "history": history,
     }
     if run.dist.is_main:
         write_json(run.run_dir / "summary.json", summary)

@@ -213,6 +213,7 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
     batches = iter(run.train_loader)
     cpu_decoded_before = run.train_loader.cpu_decoded  # data.decode=gpu: files nvJPEG cannot decode
     first, epoch_skipped, epoch_loss = run.step_in_epoch, 0, (0.0, 0)
+    started = time.perf_counter()
     for step in range(run.step_in_epoch, run.steps_per_epoch):
         images, skipped = train_step(run, batches, clock)
         clock.count(images * run.dist.world_size)
@@ -225,6 +226,10 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
         if (step == first or step + 1 == run.steps_per_epoch or save_now
                 or run.global_step % run.cfg.logger.log_every_steps == 0):
             epoch_loss = sync_and_log(run, reads, clock, epoch, step, bar)
+            if step == first and run.compile_mode and not run.compiled:
+                run.compiled = True
+                log.info(f"first update done in {time.perf_counter() - started:.1f} s (torch.compile's "
+                         f"{run.compile_mode} mode compiles in it)")
             # the epoch's end is left to finish_epoch, which saves anyway (then _run stops)
             if step + 1 < run.steps_per_epoch and run.preemption.agreed(run.device):
                 bar.close()

@@ -20,7 +20,7 @@ from swin.data.datasets import augment_mode, build_datasets, decode_mode
 from swin.data.loaders import build_loaders
 from swin.models.registry import config_overrides, create_model
 from swin.precision import autocast, resolve_amp
-from swin.train.checks import FUSED_OPTS, model_arch
+from swin.train.checks import FUSED_OPTS, compile_mode, model_arch
 from swin.train.distributed import DistInfo, seed_everything
 from swin.train.guard import EmaUpdater, StepStats, supports_found_inf
 from swin.train.state import Run
@@ -110,7 +110,10 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
     criterion, mixup = _build_criterion(t, num_classes)
     amp = resolve_amp(t.amp, device)
     ema = ModelEmaV3(raw_model, decay=t.ema_decay) if t.ema else None
-    fwd_model: nn.Module = torch.compile(raw_model, mode=t.compile_mode) if t.compile else raw_model
+    mode = compile_mode(t.compile, t.compile_mode, device, world)
+    fwd_model: nn.Module = torch.compile(raw_model, mode=mode) if mode else raw_model
+    why = " (train.compile=auto compiles on CUDA only)" if t.compile == "auto" else ""
+    log.info(f"torch.compile: {mode} mode (compiles during the first update)" if mode else f"torch.compile: off{why}")
     model: nn.Module = (DDP(fwd_model, device_ids=[device] if device.type == "cuda" else None)
                         if dist.enabled else fwd_model)
     skip_on_device = supports_found_inf(optimizer)
@@ -128,4 +131,4 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
         autocast=autocast(device, amp),
         train_loader=train_loader, val_loader=val_loader, steps_per_epoch=steps_per_epoch,
         n_params=n_params, num_classes=num_classes, stats=StepStats(device),
-        skip_on_device=skip_on_device)
+        skip_on_device=skip_on_device, compile_mode=mode)

@@ -12,11 +12,10 @@ from timm.utils import ModelEmaV3
 
 from swin.config import TrainAppConfig
 from swin.data.loaders import BatchLoader
+from swin.train.checks import CUDAGRAPH_MODES
 from swin.train.distributed import DistInfo
 from swin.train.guard import EmaUpdater, StepStats
 from swin.train.preemption import PreemptionFlag
-
-CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
 
 
 @dataclass
@@ -47,6 +46,8 @@ class Run:
     num_classes: int
     stats: StepStats
     skip_on_device: bool  # the optimizer skips a non-finite step in its kernel (no host sync)
+    compile_mode: str | None = None  # torch.compile's mode (swin.train.checks.compile_mode), None: eager
+    compiled: bool = False  # the first update (which compiles) is done
     epoch: int = 0  # epochs completed
     step_in_epoch: int = 0  # updates completed in the current epoch (resuming mid-epoch)
     global_step: int = 0
@@ -66,8 +67,7 @@ class Run:
     @property
     def cudagraphs(self) -> bool:
         """The compiled model replays CUDA graphs (these torch.compile modes record them)."""
-        t = self.cfg.train
-        return bool(t.compile) and t.compile_mode in CUDAGRAPH_MODES
+        return self.compile_mode in CUDAGRAPH_MODES
 
     @property
     def ckpt_dir(self) -> Path:
