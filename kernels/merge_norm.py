@@ -97,7 +97,7 @@ def _merge_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias
     b, h, w, c = x.shape
     oh, ow = (h + 1) // 2, (w + 1) // 2
     out = x.new_empty((b, oh, ow, 4 * c), dtype=out_dtype)
-    cfg = _launch_config(c)
+    cfg = _launch_config(c) if isinstance(c, int) else _launch_config.__wrapped__(c)  # traced: maybe symbolic
     rows = b * oh * ow
     round_sum = x.dtype == delta.dtype and x.dtype != torch.float32
     launch(merge_norm_kernel, (triton.cdiv(rows, cfg["BLOCK_R"]),), x, delta, weight, bias, out, rows, h, w, oh, ow,

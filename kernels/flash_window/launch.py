@@ -10,8 +10,6 @@ kernels sum the tiles and then each table entry's token pairs (deterministic, no
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
@@ -101,7 +99,6 @@ def _bias_grad(partial: torch.Tensor, bias: torch.Tensor, window: tuple[int, int
     return grad
 
 
-@functools.cache
 def _grad_blocks(sets: int, area: int, window_width: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_S, BLOCK_X) of the bias-gradient kernels."""
     block_n = triton.next_power_of_2(area)
@@ -125,9 +122,11 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: St
 
     Every tensor reaches the kernel whole, never as a view: torch.compile then passes the buffers through
     untouched, where a written view (or, through wrap_triton's analysis, a read one) costs a copy."""
-    ints = geo.ints()
-    fwd = plan.forward_plan(ints, geo.window, heads, head_dim, q.dtype, q.device, mask is not None, fill is not None,
-                            q_scale is not None, _eager_launch(q), plan.TUNING)
+    ints, eager = geo.ints(), _eager_launch(q)
+    # traced by torch.compile, sizes may be symbolic (unhashable): the plan is computed, not looked up
+    forward_plan = plan.forward_plan if eager else plan.forward_plan.__wrapped__
+    fwd = forward_plan(ints, geo.window, heads, head_dim, q.dtype, q.device, mask is not None, fill is not None,
+                       q_scale is not None, eager, plan.TUNING)
     tiles = _bias_tiles(bias, mask, table_window, geo, fwd)
     kernel = _launch(window_attn_fwd_kernel, (fwd.cfg["sets"] * heads,), q, k, v, s_t, *sq, out, *so,
                      tiles, fill if fill is not None else tiles, q_scale if q_scale is not None else tiles,
@@ -145,10 +144,10 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
     """Writes dq, dk, dv into dqkv (sd_t elements apart) (of the raw q and k with q_scale); returns (bias
     gradient, fill gradient or None, q_scale gradient or None). tiles: the forward's bias tiles (4 classes when
     shifted); bias: the forward's bias (dense or a table), for its gradient's shape and dtype."""
-    ints = geo.ints()
-    cfg, keywords = plan.backward_plan(ints, geo.window, heads, head_dim, q.dtype, q.device, tiles.shape[0] > 1,
-                                       fill is not None, q_scale is not None, tiles.shape[2], _eager_launch(q),
-                                       plan.TUNING)
+    ints, eager = geo.ints(), _eager_launch(q)
+    backward_plan = plan.backward_plan if eager else plan.backward_plan.__wrapped__  # as in _forward
+    cfg, keywords = backward_plan(ints, geo.window, heads, head_dim, q.dtype, q.device, tiles.shape[0] > 1,
+                                  fill is not None, q_scale is not None, tiles.shape[2], eager, plan.TUNING)
     # one (rows, cols) tile per program and head; the single-block kernel writes its tile whole at the end, the
     # multi-block one adds into it window after window
     alloc = torch.empty if cfg["NUM_M"] == 1 else torch.zeros
