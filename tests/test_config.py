@@ -120,6 +120,7 @@ def test_compile_auto_compiles_on_cuda_with_cuda_graphs_on_one_gpu():
     assert compile_mode("auto", "auto", cpu, 1) is None
     assert compile_mode("auto", "auto", cuda, 1) == "reduce-overhead"
     assert compile_mode("auto", "auto", cuda, 4) == "default"
+    assert compile_mode("auto", "auto", cuda, 1, accum_steps=2) == "default"
     assert compile_mode(True, "auto", cpu, 1) == "default"
     assert compile_mode(True, "max-autotune", cpu, 1) == "max-autotune"
     assert compile_mode(False, "reduce-overhead", cuda, 1) is None

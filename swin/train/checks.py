@@ -125,13 +125,14 @@ def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torc
     return cfg
 
 
-def compile_mode(compile: Any, mode: str, device: torch.device, world_size: int) -> str | None:
+def compile_mode(compile: Any, mode: str, device: torch.device, world_size: int, accum_steps: int = 1) -> str | None:
     """The torch.compile mode train.compile and train.compile_mode ask for on ``device`` with ``world_size``
     processes, or None (eager). compile=auto compiles on CUDA only (on the CPU compiling costs more than it saves);
     mode=auto takes CUDA graphs (reduce-overhead) on one GPU, where the compiled step is host-bound without them,
-    and the default mode under DDP."""
+    and the default mode under DDP or with gradient accumulation (CUDA graphs are not yet checked there)."""
     if compile is False or (compile == "auto" and torch.device(device).type != "cuda"):
         return None
     if mode != "auto":
         return mode
-    return "reduce-overhead" if torch.device(device).type == "cuda" and world_size == 1 else "default"
+    one_graph_per_step = world_size == 1 and accum_steps == 1
+    return "reduce-overhead" if torch.device(device).type == "cuda" and one_graph_per_step else "default"

@@ -110,7 +110,7 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
     criterion, mixup = _build_criterion(t, num_classes)
     amp = resolve_amp(t.amp, device)
     ema = ModelEmaV3(raw_model, decay=t.ema_decay) if t.ema else None
-    mode = compile_mode(t.compile, t.compile_mode, device, world)
+    mode = compile_mode(t.compile, t.compile_mode, device, world, t.accum_steps)
     fwd_model: nn.Module = torch.compile(raw_model, mode=mode) if mode else raw_model
     why = " (train.compile=auto compiles on CUDA only)" if t.compile == "auto" else ""
     log.info(f"torch.compile: {mode} mode (compiles during the first update)" if mode else f"torch.compile: off{why}")
