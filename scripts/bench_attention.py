@@ -227,7 +227,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Te
 # measurement
 
 # ~4 ms of GPU spin before each timed call: the CPU enqueues the call meanwhile, so the events time the GPU's work
-# (an eager forward+backward through a custom op takes up to ~2.7 ms of CPU time: see host_ms)
+# (an eager call's CPU time is host_us's to measure)
 SLEEP_CYCLES = 8_000_000
 FLUSH_BYTES = 256 << 20    # > the 50 MB L2 of an H100
 
@@ -263,8 +263,8 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def host_ms(fn: Callable[[], object], reset: Callable[[], None] = lambda: None, reps: int = 20) -> float | None:
-    """Median CPU time (ms) to enqueue fn() while the GPU is kept busy (CUDA only): the eager call's host
+def host_us(fn: Callable[[], object], reset: Callable[[], None] = lambda: None, reps: int = 20) -> float | None:
+    """Median CPU time (µs) to enqueue fn() while the GPU is kept busy (CUDA only): the eager call's host
     overhead. Where it exceeds the GPU time, an eager loop of such calls runs at the host's pace."""
     if not torch.cuda.is_available():
         return None
@@ -274,7 +274,7 @@ def host_ms(fn: Callable[[], object], reset: Callable[[], None] = lambda: None, 
         torch.cuda._sleep(4 * SLEEP_CYCLES)
         t0 = time.perf_counter()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize()
     return statistics.median(times)
 
@@ -383,8 +383,8 @@ def bench_backend(name: str, shape: Shape, dtype: torch.dtype, device: torch.dev
         row["ms_fwd"] = median_ms(forward, device, warmup, reps)
         row["ms_fwd_bwd"] = median_ms(forward_backward, device, warmup, reps, reset=clear_grads)
         if device.type == "cuda":
-            row["host_ms_fwd"] = host_ms(forward)
-            row["host_ms_fwd_bwd"] = host_ms(forward_backward, clear_grads)
+            row["host_us_fwd"] = host_us(forward)
+            row["host_us_fwd_bwd"] = host_us(forward_backward, clear_grads)
     except Exception as e:  # unsupported shape, OOM, ...: keep the other rows
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         clear_grads()
@@ -408,7 +408,7 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     head = ("| shape | dtype | backend | fwd ms | fwd GB/s | fwd % copy | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd % copy "
-            "| fwd peak MiB | fwd+bwd peak MiB | fwd+bwd mem / sdpa | host ms fwd / fwd+bwd | err out | err grads |")
+            "| fwd peak MiB | fwd+bwd peak MiB | fwd+bwd mem / sdpa | host µs fwd / fwd+bwd | err out | err grads |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     sdpa_mem = {(r["shape"], r["dtype"]): r.get("peak_mib_fwd_bwd") for r in rows if r["backend"] == "sdpa"}
     for r in rows:
@@ -422,7 +422,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['shape']} | {r['dtype']} | {r['backend']} | {r['ms_fwd']:.3f} | {r['gbs_fwd']:.4g} "
             f"| {r['pct_copy_fwd']:.1f} | {r['ms_fwd_bwd']:.3f} | {r['gbs_fwd_bwd']:.4g} | {r['pct_copy_fwd_bwd']:.1f} "
             f"| {_fmt(r['peak_mib_fwd'], '.1f')} | {_fmt(r['peak_mib_fwd_bwd'], '.1f')} | {_fmt(mem_ratio, '.2f')} "
-            f"| {_fmt(r.get('host_ms_fwd'), '.3f')} / {_fmt(r.get('host_ms_fwd_bwd'), '.3f')} "
+            f"| {_fmt(r.get('host_us_fwd'), '.0f')} / {_fmt(r.get('host_us_fwd_bwd'), '.0f')} "
             f"| {r['errors']['out']:.1e} | {err_grads:.1e} |")
     return "\n".join(lines)
 
@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"> {ERROR_TOL[r['dtype']]:.0e}: wrong results")
     if suspect and env["triton_interpret"] == "1" and any(r["dtype"] == "bfloat16" for r in suspect):
         print("note: the Triton interpreter does not compute bf16 correctly; use fp32/fp16 on the CPU")
-    print("\nms: median GPU time; host ms: CPU time to enqueue one eager call (an eager loop is host-bound where it "
+    print("\nms: median GPU time; host µs: CPU time to enqueue one eager call (an eager loop is host-bound where it "
           "exceeds the GPU time); GB/s over minimal bytes (fwd: q,k,v,o; fwd+bwd: q,k,v,o,do,dq,dk,dv); "
           "% copy: of the copy bandwidth above; peak: extra allocated memory during one call; "
           "err: max|x - ref| / max|ref| vs float64 (grads: worst of dq, dk, dv, dbias_table)")

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from kernels.flash_window import plan  # noqa: E402
-from scripts.bench_attention import DTYPES, PRESETS, Problem, flash_window, host_ms, make_inputs, median_ms  # noqa: E402
+from scripts.bench_attention import DTYPES, PRESETS, Problem, flash_window, host_us, make_inputs, median_ms  # noqa: E402
 from swin.models.windows import relative_position_index, shifted_window_mask  # noqa: E402
 
 # BWD_BLOCK_M=16 / 32: 49-token windows in several query blocks, the backward's register budget against the
@@ -59,8 +59,8 @@ def time_config(shape_name: str, dtype: torch.dtype, profile: bool = False) -> t
     fwd_bwd_ms = median_ms(fwd_bwd, device, warmup=10, reps=50, reset=clear_grads)
     if profile:
         print_kernels(fwd_bwd, clear_grads, shape_name)
-        print(f"host time per call, {shape_name}: forward {1e3 * host_ms(fwd_no_grad):.0f} us, "
-              f"forward+backward {1e3 * host_ms(fwd_bwd, clear_grads):.0f} us")
+        print(f"host time per call, {shape_name}: forward {host_us(fwd_no_grad):.0f} us, "
+              f"forward+backward {host_us(fwd_bwd, clear_grads):.0f} us")
         print_host_profile(fwd_bwd, clear_grads)
     kernels = kernel_us(fwd_bwd, clear_grads)
     return (fwd_ms, fwd_bwd_ms, sum(us for name, (us, _) in kernels.items() if "window_attn_fwd" in name),
