@@ -9,6 +9,8 @@ a ``torch.autograd.Function`` when a gradient is wanted, and directly when not.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kernels.flash_window.launch import image_backward, image_forward, window_backward, window_forward
@@ -82,6 +84,12 @@ _image_op.register_autograd(_image_grad, setup_context=_image_setup)
 
 
 # --- eager calls: autograd functions over the same bodies -----------------------------------------------------------
+def _named(op: str) -> contextlib.AbstractContextManager:
+    """A profiler range named as the op (swin::...), so that profiles of eager calls attribute their time to it as
+    they do for the op; nothing when no profiler runs."""
+    return torch.profiler.record_function(op) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
+
+
 class _WindowAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, mask, grid, window, scale):
@@ -93,7 +101,8 @@ class _WindowAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, tiles, bias = ctx.saved_tensors
-        dqkv, dbias = window_backward(grad_out, q, k, v, tiles, bias, *ctx.geometry)
+        with _named("swin::flash_window_attn_bwd"):
+            dqkv, dbias = window_backward(grad_out, q, k, v, tiles, bias, *ctx.geometry)
         dq, dk, dv = dqkv.unbind(0)
         return dq, dk, dv, dbias, None, None, None, None
 
@@ -109,7 +118,9 @@ class _ImageAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         qkv, tiles, bias, kv_fill, q_scale = ctx.saved_tensors
-        dqkv, dbias, dfill, dq_scale = image_backward(grad_out, qkv, tiles, bias, kv_fill, q_scale, *ctx.geometry)
+        with _named("swin::flash_window_attn_image_bwd"):
+            dqkv, dbias, dfill, dq_scale = image_backward(grad_out, qkv, tiles, bias, kv_fill, q_scale,
+                                                          *ctx.geometry)
         return (dqkv, dbias, None, dfill if kv_fill is not None else None,
                 dq_scale if q_scale is not None else None, None, None, None)
 
@@ -124,9 +135,10 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     eager path."""
     if torch.compiler.is_compiling():
         return _window_op(q, k, v, bias, mask, grid, window, scale)[0]
-    if _wants_grad(q, k, v, bias):
-        return _WindowAttention.apply(q, k, v, bias, mask, grid, window, scale)
-    return window_forward(q, k, v, bias, mask, grid, window, scale)[0]
+    with _named("swin::flash_window_attn"):
+        if _wants_grad(q, k, v, bias):
+            return _WindowAttention.apply(q, k, v, bias, mask, grid, window, scale)
+        return window_forward(q, k, v, bias, mask, grid, window, scale)[0]
 
 
 def image_attention(qkv: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None, kv_fill: torch.Tensor | None,
@@ -135,6 +147,7 @@ def image_attention(qkv: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | 
     eager path."""
     if torch.compiler.is_compiling():
         return _image_op(qkv, bias, mask, kv_fill, q_scale, window, shift, scale)[0]
-    if _wants_grad(qkv, bias, kv_fill, q_scale):
-        return _ImageAttention.apply(qkv, bias, mask, kv_fill, q_scale, window, shift, scale)
-    return image_forward(qkv, bias, mask, kv_fill, q_scale, window, shift, scale)[0]
+    with _named("swin::flash_window_attn_image"):
+        if _wants_grad(qkv, bias, kv_fill, q_scale):
+            return _ImageAttention.apply(qkv, bias, mask, kv_fill, q_scale, window, shift, scale)
+        return image_forward(qkv, bias, mask, kv_fill, q_scale, window, shift, scale)[0]
