@@ -17,19 +17,27 @@ import swin.config  # noqa: F401  (registers the config schemas before Hydra com
 
 # exit status of a run stopped by the cluster's signal (time limit, preemption) after saving last.pt
 EXIT_PREEMPTED = 3
+EXIT_INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     from swin.models.pretrained import CheckpointError
     from swin.train.loop import ConfigError, NonFiniteLossError, train
-    from swin.train.preemption import Preempted
+    from swin.train.preemption import Interrupted, Preempted
 
     try:
         train(cfg, HydraConfig.get().runtime.output_dir)
     except Preempted as e:
         print(f"stopped: {e}", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
+    except Interrupted as e:  # Ctrl-C: last.pt written after the update in flight
+        print(f"stopped: {e}", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside the training loop
+        print("stopped: interrupted (Ctrl-C) at once; rerun the same command to resume from the last checkpoint",
+              file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
     except (ConfigError, NonFiniteLossError, CheckpointError, FileNotFoundError) as e:  # the message, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

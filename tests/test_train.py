@@ -124,6 +124,38 @@ def test_kill_9_mid_epoch_then_same_command_finishes(tmp_path):
     assert not list((run / "checkpoints").glob(".*.tmp"))
 
 
+def test_ctrl_c_saves_says_how_to_resume_and_the_same_command_finishes(tmp_path):
+    """A real train.py process sent SIGINT (Ctrl-C) in epoch 2: it writes last.pt after the update in flight,
+    ends with one line on stderr (no traceback) and exit status 130; the same command then resumes and finishes."""
+    run = tmp_path / "run"
+    args = [*FAST, f"hydra.run.dir={run}", "train.epochs=3", "data.train_limit=480", "train.batch_size=16",
+            "train.warmup_epochs=1"]
+    with open(tmp_path / "first.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=cli_env(),
+                                stdout=subprocess.DEVNULL, stderr=err)
+        last, deadline = run / "checkpoints" / "last.pt", time.time() + 240
+        while proc.poll() is None and time.time() < deadline:
+            if last.is_file() and torch.load(last, weights_only=True)["epoch"] >= 1:  # epoch 1 done: in epoch 2
+                os.kill(proc.pid, signal.SIGINT)
+                break
+            time.sleep(0.05)
+        proc.wait(timeout=120)
+    stderr = (tmp_path / "first.err").read_text()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1].startswith("stopped: interrupted (Ctrl-C) after "), stderr[-2000:]
+    assert "rerun the same command to resume" in stderr
+    state = torch.load(last, weights_only=True)
+    assert state["global_step"] > 30 and state["global_step"] < 90  # saved after epoch 1, before the end
+    assert not (run / "summary.json").exists()
+
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert [h["epoch"] for h in summary["history"]] == [1, 2, 3] and summary["global_step"] == 3 * 30
+    assert "resumed from" in (run / "train.log").read_text()
+
+
 def test_gradient_accumulation_matches_full_batch(tmp_path):
     a = [*DET, "train.epochs=1"]
     train_inprocess(tmp_path / "full", *a)

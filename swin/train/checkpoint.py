@@ -102,6 +102,8 @@ def save_checkpoint(run: Run, name: str, epoch: int, step: int) -> None:
     """All ranks call this (RNG states are gathered); rank 0 writes. Called after a sync point, so that the
     non-finite count is current (skipped updates never reach the weights; save_train_state also refuses NaN)."""
     rngs = all_gather_object(capture_rng())
+    if name == "last.pt":
+        run.saved_step = run.global_step
     if not run.dist.is_main:
         return
     save_train_state(run.ckpt_dir / name, {
@@ -148,6 +150,7 @@ def resume(run: Run) -> None:
             restore_rng(state["rng"][dist.rank])
         else:  # another process count: fresh per-rank streams, still reproducible
             seed_everything(run.cfg.seed + dist.rank + 1000 * run.global_step)
+        run.saved_step = run.global_step
         log.info(f"resumed from {resume_path}: {run.epoch} epoch(s) + {run.step_in_epoch} step(s) done")
     if run.global_step:
         run.scheduler.step_update(num_updates=run.global_step)

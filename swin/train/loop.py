@@ -42,7 +42,7 @@ from swin.train.distributed import (
 )
 from swin.train.guard import NonFiniteLossError
 from swin.train.logs import init_wandb, setup_logging, write_summary
-from swin.train.preemption import Preempted, PreemptionFlag
+from swin.train.preemption import Interrupted, Preempted, PreemptionFlag
 from swin.train.setup import setup
 from swin.train.state import Run
 from swin.train.step import train_step
@@ -75,6 +75,9 @@ def train(cfg: DictConfig | TrainAppConfig, run_dir: str | Path) -> dict[str, An
     except Preempted as e:
         log.warning(str(e))
         preemption.requeue(dist.is_main)
+        raise
+    except Interrupted as e:
+        log.warning(str(e))
         raise
     finally:
         preemption.uninstall()
@@ -215,7 +218,13 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
     first, epoch_skipped, epoch_loss = run.step_in_epoch, 0, (0.0, 0)
     started = time.perf_counter()
     for step in range(run.step_in_epoch, run.steps_per_epoch):
-        images, skipped = train_step(run, batches, clock)
+        try:
+            images, skipped = train_step(run, batches, clock)
+        except Exception:
+            if run.preemption.interrupted and not run.dist.enabled:  # Ctrl-C also ended the loader's workers
+                bar.close()
+                stop_for_preemption(run, epoch, step)  # this update never reached the weights
+            raise
         clock.count(images * run.dist.world_size)
         epoch_skipped += skipped
         run.global_step += 1
@@ -236,6 +245,11 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
                 stop_for_preemption(run, epoch, step + 1)
         if save_now:
             save_checkpoint(run, "last.pt", epoch, step + 1)
+        # Ctrl-C in one process: stop after the update in flight (the epoch's end is left to finish_epoch)
+        if run.preemption.interrupted and not run.dist.enabled and step + 1 < run.steps_per_epoch:
+            epoch_loss = sync_and_log(run, reads, clock, epoch, step, bar)  # the counters a checkpoint holds
+            bar.close()
+            stop_for_preemption(run, epoch, step + 1)
     bar.close()
     run.step_in_epoch = 0
     counts = torch.tensor([epoch_skipped, run.train_loader.cpu_decoded - cpu_decoded_before],
@@ -260,12 +274,17 @@ def evaluate_epoch(run: Run) -> dict[str, Any]:
 
 
 def stop_for_preemption(run: Run, epoch: int, step: int, saved: bool = False) -> NoReturn:
-    """The cluster's signal arrived (on any process): write last.pt now, unless just written, and stop."""
-    if not saved:
+    """The cluster's signal or Ctrl-C arrived (on any process): write last.pt now, unless it holds this point
+    already, and stop (Preempted, or Interrupted for Ctrl-C)."""
+    last = run.ckpt_dir / "last.pt"
+    if not saved and run.global_step > run.saved_step:
         save_checkpoint(run, "last.pt", epoch, step)
-    raise Preempted(f"{run.preemption.signum.name} received (time limit or preemption): saved "
-                    f"{run.ckpt_dir / 'last.pt'} after {epoch} epoch(s) + {step} step(s); the requeued job, or "
-                    "the same command, continues from it")
+    if run.preemption.received or not run.preemption.interrupted:
+        raise Preempted(f"{run.preemption.signum.name} received (time limit or preemption): saved {last} after "
+                        f"{epoch} epoch(s) + {step} step(s); the requeued job, or the same command, continues from it")
+    where = f"saved {last}" if run.saved_step >= 0 else "no update to save yet"
+    raise Interrupted(f"interrupted (Ctrl-C) after {epoch} epoch(s) + {step} step(s), {where}; rerun the same "
+                      "command to resume")
 
 
 def finish_epoch(run: Run, record: dict[str, Any]) -> None:

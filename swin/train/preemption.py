@@ -30,6 +30,10 @@ class Preempted(Exception):
     """The run stopped on the cluster's signal after saving last.pt; rerunning it resumes."""
 
 
+class Interrupted(Exception):
+    """The run stopped on Ctrl-C (SIGINT) after saving last.pt where it had updates to save; rerunning resumes."""
+
+
 def preempt_signal() -> signal.Signals:
     """The signal SLURM sends before the time limit: submitit's (SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says)."""
     name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
@@ -37,31 +41,40 @@ def preempt_signal() -> signal.Signals:
 
 
 class PreemptionFlag:
-    """Set by the signal; `agreed()` asks all processes (a collective: every rank calls it at the same point)."""
+    """Set by the cluster's signal (``received``) or by Ctrl-C (``interrupted``); `agreed()` asks all processes
+    (a collective: every rank calls it at the same point). A second Ctrl-C interrupts at once (KeyboardInterrupt)."""
 
     def __init__(self) -> None:
         self.signum = preempt_signal()
         self.received = False
+        self.interrupted = False
         self._previous: Any = None
+        self._previous_int: Any = None
         self._installed = False
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # Python delivers signals to the main thread only: nothing to catch here
         self._previous = signal.signal(self.signum, self._on_signal)
+        self._previous_int = signal.signal(signal.SIGINT, self._on_interrupt)
         self._installed = True
 
     def uninstall(self) -> None:
         if self._installed:
             signal.signal(self.signum, self._previous)
+            signal.signal(signal.SIGINT, self._previous_int)
             self._installed = False
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.received = True  # acted upon at the loop's next sync point, never inside a step
 
+    def _on_interrupt(self, signum: int, frame: Any) -> None:
+        self.interrupted = True  # acted upon after the update in flight; a second Ctrl-C raises at once
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def agreed(self, device: torch.device) -> bool:
-        """True on every process when any process got the signal."""
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        """True on every process when any process got the signal or Ctrl-C."""
+        flag = torch.tensor([1.0 if self.received or self.interrupted else 0.0], device=device)
         return bool(all_reduce_sum(flag).item() > 0)
 
     def requeue(self, is_main: bool) -> None:

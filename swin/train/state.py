@@ -48,6 +48,7 @@ class Run:
     skip_on_device: bool  # the optimizer skips a non-finite step in its kernel (no host sync)
     compile_mode: str | None = None  # torch.compile's mode (swin.train.checks.compile_mode), None: eager
     compiled: bool = False  # the first update (which compiles) is done
+    saved_step: int = -1  # global_step that last.pt holds (-1: none written or resumed from)
     epoch: int = 0  # epochs completed
     step_in_epoch: int = 0  # updates completed in the current epoch (resuming mid-epoch)
     global_step: int = 0
