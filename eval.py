@@ -14,6 +14,7 @@ import swin.config  # noqa: F401  (registers the config schemas before Hydra com
 def main(cfg: DictConfig) -> None:
     import torch
 
+    from swin.data.folder import CorruptImageError
     from swin.evaluate import overridden_groups, run_eval
     from swin.models.pretrained import CheckpointError
 
@@ -27,6 +28,9 @@ def main(cfg: DictConfig) -> None:
         run_eval(cfg, hc.runtime.output_dir, overridden_groups(hc.overrides.task))
     except (CheckpointError, FileNotFoundError, ValueError) as e:  # expected failures: the message, no traceback
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except CorruptImageError as e:  # raised in a loader worker, it comes back with the worker's traceback
+        print(f"error: {CorruptImageError.message_of(e)}", file=sys.stderr)
         sys.exit(2)
 
 

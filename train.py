@@ -22,6 +22,7 @@ EXIT_INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
+    from swin.data.folder import CorruptImageError
     from swin.models.pretrained import CheckpointError
     from swin.train.loop import ConfigError, NonFiniteLossError, train
     from swin.train.preemption import Interrupted, Preempted
@@ -40,6 +41,9 @@ def main(cfg: DictConfig) -> None:
         sys.exit(EXIT_INTERRUPTED)
     except (ConfigError, NonFiniteLossError, CheckpointError, FileNotFoundError) as e:  # the message, no traceback
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except CorruptImageError as e:  # raised in a loader worker, it comes back with the worker's traceback
+        print(f"error: {CorruptImageError.message_of(e)}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -240,3 +240,21 @@ def test_compile_mode_is_checked_before_training():
     with pytest.raises(ConfigError, match="train.compile_mode='fastest': use one of default, reduce-overhead"):
         check_config(cfg, 1, torch.device("cpu"))
     check_config(make_cfg("train.compile=true", "train.compile_mode=reduce-overhead"), 1, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("mistake", ["missing root", "corrupt image"])
+def test_user_mistakes_end_in_one_line(tmp_path, mistake):
+    """A data.root that does not exist, and an unreadable image without data.skip_corrupt (raised in a loader
+    worker): train.py says what is wrong and how to fix it in one line, exit status 2, no traceback."""
+    image_folder(tmp_path / "data", corrupt=True)
+    root = tmp_path / "nonexistent" if mistake == "missing root" else tmp_path / "data"
+    r = run_cli(*FAST, "data=imagefolder", f"data.root={root}", "model.img_size=16", "data.num_workers=1",
+                "train.batch_size=4", "train.epochs=1", "train.warmup_epochs=0", f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    if mistake == "missing root":
+        assert line == f"error: data.root={root} has no train/ folder; point data.root at a folder with train/ and " \
+                       "val/ sub-folders of one folder per class"
+    else:
+        assert line.startswith("error: cannot read image ") and "set data.skip_corrupt=true" in line, line

@@ -18,6 +18,14 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 class CorruptImageError(RuntimeError):
     """An image file that cannot be decoded; the message names the file and the fix."""
 
+    @staticmethod
+    def message_of(error: BaseException) -> str:
+        """The error's own one-line message, also when a DataLoader worker raised it (the loader re-raises it with
+        the worker's traceback in front)."""
+        line = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        return line.split("CorruptImageError: ", 1)[-1]
+
+
 
 class CheckedImageFolder(Dataset):
     """torchvision ImageFolder whose unreadable files raise an error naming the file, or (with

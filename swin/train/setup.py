@@ -81,9 +81,12 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
     t, device, world = cfg.train, dist.device, dist.world_size
     micro_batch = t.batch_size // (world * t.accum_steps)
     arch = model_arch(cfg.model)
-    data = build_datasets(cfg.data, arch["img_size"])
-    train_loader, val_loader = build_loaders(data, cfg.data, device, dist.rank, world, micro_batch,
-                                             t.eval_batch_size or 2 * micro_batch, cfg.seed)
+    try:  # a data.* value that does not fit the files (a missing folder, mismatched splits): one line
+        data = build_datasets(cfg.data, arch["img_size"])
+        train_loader, val_loader = build_loaders(data, cfg.data, device, dist.rank, world, micro_batch,
+                                                 t.eval_batch_size or 2 * micro_batch, cfg.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     steps_per_epoch = train_loader.num_batches // t.accum_steps  # optimizer updates per epoch
     if steps_per_epoch == 0:
         raise ConfigError(f"the training set ({len(data.train)} images) is smaller than one global batch "
