@@ -284,7 +284,8 @@ def run_eval(cfg: EvalAppConfig | DictConfig, run_dir: str | os.PathLike,
         if dist.is_main:
             log.info(f"model {model_cfg.name} ({num_classes} classes, img_size {model.img_size}, window "
                      f"{model.window_size}, attention {model.attention}); data {data_cfg.name}: {len(val)} images, "
-                     f"{dist.world_size} process(es), {amp}; transforms from {transforms_from} {transforms}")
+                     f"{dist.world_size} process(es), {amp}; transforms from {transforms_from}"
+                     + (f" {transforms}" if transforms else ""))
         metrics = evaluate(model, loader, device=dist.device, amp=amp, progress=cfg.progress and dist.is_main,
                            total=len(range(dist.rank, len(val), dist.world_size)))
         folder = as_folder(data_cfg)

@@ -100,7 +100,7 @@ def test_eval_timm_and_microsoft_checkpoints(digits_val, tmp_path, layout):
     assert json.loads((tmp_path / "res.json").read_text())["top1"] == res["top1"]
 
 
-def test_eval_transforms_follow_timm_pretrained_config(tmp_path):
+def test_eval_transforms_follow_timm_pretrained_config(tmp_path, caplog):
     """An image folder evaluated with a timm-named model: resize/crop 0.9/bicubic/mean-std from timm's cfg."""
     from PIL import Image
     from timm.data import create_transform
@@ -135,7 +135,10 @@ def test_eval_transforms_follow_timm_pretrained_config(tmp_path):
     assert res["loss"] == pytest.approx(loss, rel=1e-4)
     # transforms=data keeps the data config's crop (0.875): a different preprocessing
     cfg.transforms = "data"
-    assert run_eval(cfg, tmp_path, {"model", "data"})["transforms"] == {}
+    with caplog.at_level("INFO", logger="swin.eval"):
+        assert run_eval(cfg, tmp_path, {"model", "data"})["transforms"] == {}
+    said = [r.getMessage() for r in caplog.records if "transforms from" in r.getMessage()]
+    assert said and said[-1].endswith("transforms from data config"), said  # no stray {} after it
 
 
 def _run(args: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:

@@ -258,3 +258,11 @@ def test_user_mistakes_end_in_one_line(tmp_path, mistake):
                        "val/ sub-folders of one folder per class"
     else:
         assert line.startswith("error: cannot read image ") and "set data.skip_corrupt=true" in line, line
+
+
+def test_final_log_line_rounds_the_figures(tmp_path):
+    """train.log's last line gives the top-1 figures to two decimals, as percentages."""
+    import re
+    train_inprocess(tmp_path, *DET, "train.epochs=1", "data.train_limit=96")
+    last = (tmp_path / "train.log").read_text().strip().splitlines()[-1]
+    assert re.search(r"done: best top1 \d+\.\d{2}%, final top1 \d+\.\d{2}%, \d+ img/s", last), last

@@ -53,6 +53,10 @@ def init_wandb(cfg: TrainAppConfig, run_dir: Path, run_id: str | None) -> Any:
                       config=to_dict(cfg))
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}%"
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -83,7 +87,7 @@ def write_summary(run: Run, train_time: float) -> dict[str, Any]:
     if run.dist.is_main:
         write_json(run.run_dir / "summary.json", summary)
         wait = summary["data_wait_fraction"]
-        log.info(f"done: best top1 {summary['best_top1']}, final top1 {summary['final_top1']}, "
+        log.info(f"done: best top1 {_pct(summary['best_top1'])}, final top1 {_pct(summary['final_top1'])}, "
                  f"{summary['images_per_sec'] or 0:.0f} img/s"
                  + (f", {wait:.1%} waiting for data" if wait is not None else "")
                  + f"; {run.run_dir / 'summary.json'}")
