@@ -41,6 +41,10 @@ def test_cli_trains_digits_and_writes_run_dir(tmp_path):
     assert (run / "checkpoints" / "epoch_0006.pt").is_file() and (run / "checkpoints" / "epoch_0012.pt").is_file()
     assert "val top1" in (run / "train.log").read_text()
     assert list((run / "wandb").glob("offline-run-*")), "wandb offline run missing"
+    # wandb's own banner and footer stay quiet offline; one line of ours says where the run is and how to sync it
+    lines = (r.stdout + r.stderr).splitlines()
+    assert not [line for line in lines if line.startswith("wandb:")], r.stdout[-2000:]
+    assert len([line for line in lines if "offline wandb run in" in line and "wandb sync" in line]) == 1
 
 
 def test_resume_mid_epoch_gives_the_uninterrupted_result(tmp_path, monkeypatch):

@@ -48,9 +48,14 @@ def init_wandb(cfg: TrainAppConfig, run_dir: Path, run_id: str | None) -> Any:
         log.warning("wandb is not installed: offline logging is off (pip install wandb, or set "
                     "logger.wandb.mode=disabled to silence this)")
         return None
-    return wandb.init(project=wcfg.project, entity=wcfg.entity, name=wcfg.name, tags=list(wcfg.tags),
-                      mode=wcfg.mode, dir=str(run_dir), id=run_id, resume="allow",
-                      config=to_dict(cfg))
+    offline = wcfg.mode == "offline"
+    run = wandb.init(project=wcfg.project, entity=wcfg.entity, name=wcfg.name, tags=list(wcfg.tags),
+                     mode=wcfg.mode, dir=str(run_dir), id=run_id, resume="allow", config=to_dict(cfg),
+                     settings=wandb.Settings(silent=True) if offline else None)  # no banner nor footer
+    if offline:
+        where = getattr(getattr(run, "settings", None), "sync_dir", None) or run_dir / "wandb"
+        log.info(f"offline wandb run in {where}; upload it with `wandb sync {where}`")
+    return run
 
 
 def _pct(value: float | None) -> str:
