@@ -86,6 +86,7 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
     bar = _progress(total, progress, desc)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    amp_context = autocast(device, resolve_amp(amp or "fp32", device))  # reused by every batch
     start = time.perf_counter()
     try:
         for i, batch in enumerate(loader):
@@ -99,7 +100,7 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
             targets = targets.to(device, non_blocking=True)
             if channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
-            with autocast(device, resolve_amp(amp or "fp32", device)):
+            with amp_context:
                 logits = model(images)
             logits = logits.float()
             num_classes = logits.shape[-1]

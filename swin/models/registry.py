@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from swin.models.pretrained import load_pretrained
@@ -67,14 +66,15 @@ NOT_OVERRIDES = ("name", "pretrained", "num_classes")
 
 
 def config_overrides(model_cfg: Any) -> dict[str, Any]:
-    """A model config (swin.config.ModelConfig, a DictConfig or a checkpoint's ``model`` dict) as create_model's
-    architecture overrides: every key but name, pretrained and num_classes, as plain Python values."""
-    if dataclasses.is_dataclass(model_cfg):
-        model_cfg = dataclasses.asdict(model_cfg)
-    elif not isinstance(model_cfg, Mapping) or hasattr(model_cfg, "_metadata"):  # an OmegaConf node
-        from omegaconf import OmegaConf
-        model_cfg = OmegaConf.to_container(model_cfg, resolve=True)
-    return {k: v for k, v in model_cfg.items() if k not in NOT_OVERRIDES}
+    """A model config's typed settings (swin.config.ModelConfig) as create_model's architecture overrides: every
+    key but name, pretrained and num_classes."""
+    return {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in NOT_OVERRIDES}
+
+
+def architecture(name: str, **overrides: Any) -> dict[str, Any]:
+    """The arguments of ``name``'s SwinTransformer: the registry's, overridden by those of ``overrides`` that are
+    not None (KeyError for an unknown name)."""
+    return {**MODEL_CONFIGS[name], **{k: v for k, v in overrides.items() if v is not None}}
 
 
 def create_model(name: str, pretrained: str | bool | None = None, **overrides: Any) -> SwinTransformer:
@@ -91,7 +91,7 @@ def create_model(name: str, pretrained: str | bool | None = None, **overrides: A
     """
     if name not in MODEL_CONFIGS:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
-    kwargs = {**MODEL_CONFIGS[name], **{k: v for k, v in overrides.items() if v is not None}}
+    kwargs = architecture(name, **overrides)
     for key in ("depths", "num_heads", "pretrained_window_sizes"):
         if key in kwargs:
             kwargs[key] = tuple(kwargs[key])

@@ -3,7 +3,6 @@ naming the key and the fix, before any data or model is built. Types come from t
 which Hydra checks when it composes; this module checks ranges and combinations."""
 from __future__ import annotations
 
-import dataclasses
 import operator
 from typing import Any
 
@@ -13,7 +12,7 @@ from omegaconf import DictConfig
 from swin.config import ConfigError, ModelConfig, TrainAppConfig, to_settings
 from swin.data.datasets import check_decode
 from swin.models.attention import check_backend
-from swin.models.registry import MODEL_CONFIGS
+from swin.models.registry import MODEL_CONFIGS, architecture, config_overrides
 from swin.precision import AMP_CHOICES
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -24,10 +23,8 @@ FUSED_OPTS = ("adamw", "adam")
 
 
 def model_arch(cfg_model: ModelConfig) -> dict[str, Any]:
-    """The architecture create_model will build: registry defaults overridden by the config."""
-    arch = dict(MODEL_CONFIGS.get(cfg_model.name, {}))
-    arch.update({k: v for k, v in dataclasses.asdict(cfg_model).items() if v is not None})
-    return arch
+    """The architecture create_model will build for a model config of a registered name."""
+    return architecture(cfg_model.name, **config_overrides(cfg_model))
 
 
 def _size(key: str, value: Any) -> tuple[int, int]:
