@@ -222,8 +222,7 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
             images, skipped = train_step(run, batches, clock)
         except Exception:
             if run.preemption.interrupted and not run.dist.enabled:  # Ctrl-C also ended the loader's workers
-                bar.close()
-                stop_for_preemption(run, epoch, step)  # this update never reached the weights
+                stop_on_interrupt(run, reads, clock, epoch, step, bar, done=step)  # this update never applied
             raise
         clock.count(images * run.dist.world_size)
         epoch_skipped += skipped
@@ -247,9 +246,7 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
             save_checkpoint(run, "last.pt", epoch, step + 1)
         # Ctrl-C in one process: stop after the update in flight (the epoch's end is left to finish_epoch)
         if run.preemption.interrupted and not run.dist.enabled and step + 1 < run.steps_per_epoch:
-            epoch_loss = sync_and_log(run, reads, clock, epoch, step, bar)  # the counters a checkpoint holds
-            bar.close()
-            stop_for_preemption(run, epoch, step + 1)
+            stop_on_interrupt(run, reads, clock, epoch, step, bar, done=step + 1)
     bar.close()
     run.step_in_epoch = 0
     counts = torch.tensor([epoch_skipped, run.train_loader.cpu_decoded - cpu_decoded_before],
@@ -271,6 +268,15 @@ def evaluate_epoch(run: Run) -> dict[str, Any]:
         out = {"model_top1": metrics["top1"], "top1": ema_metrics["top1"], "top5": ema_metrics["top5"],
                "val_loss": ema_metrics["loss"]}
     return out
+
+
+def stop_on_interrupt(run: Run, reads: _Reads, clock: EpochClock, epoch: int, step: int, bar: tqdm,
+                      done: int) -> NoReturn:
+    """Ctrl-C in a single process, during the epoch's update `step`: read the device counters (what a checkpoint
+    holds), then save and stop with `done` updates of the epoch applied (stop_for_preemption)."""
+    sync_and_log(run, reads, clock, epoch, step, bar)
+    bar.close()
+    stop_for_preemption(run, epoch, done)
 
 
 def stop_for_preemption(run: Run, epoch: int, step: int, saved: bool = False) -> NoReturn:
