@@ -3,42 +3,84 @@ the CPU (TRITON_INTERPRET=1, for tests)."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import custom_op, triton_op, wrap_triton
+from triton import knobs
+
+# Triton reads TRITON_INTERPRET once, when a kernel is defined; so do these functions
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRET
 
 
 def eager_launch(x: torch.Tensor) -> bool:
     """Whether a launch on data like x runs now, eagerly, rather than being traced by torch.compile: a triton_op's
     body is traced on fake tensors (there ``torch.compiler.is_compiling()`` can be False), and launch options such as
     ``launch_pdl`` or ``maxnreg`` do not reach the compiled code."""
-    return not torch.compiler.is_compiling() and not is_fake(x)
+    if torch.compiler.is_compiling():
+        return False
+    return type(x) is torch.Tensor or not is_fake(x)  # a plain tensor is never fake: skip the slower check
 
 
-def launch(kernel, grid: tuple[int], *args, **keywords):
+def launch(kernel, grid: tuple[int, ...], *args, **keywords):
     """Launches a kernel: where torch.compile traces it (fake tensors), through wrap_triton, so the compiled code
-    inlines the launch; an eager call (args[0] a real tensor, not compiling) straight away, as wrap_triton outside
-    a compiled graph would dispatch a higher-order op per launch; under the Triton interpreter, straight away on
-    real tensors and not at all on fake ones (the ops' shape functions, see kernel_op: no data to run on)."""
-    if interpreting():
+    inlines the launch; an eager call (args[0] a real tensor, not compiling) straight away (launch_direct), as
+    wrap_triton outside a compiled graph would dispatch a higher-order op per launch; under the Triton interpreter,
+    straight away on real tensors and not at all on fake ones (the ops' shape functions, see kernel_op: no data to
+    run on)."""
+    if _INTERPRET:
         if any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
             return None
         return kernel[grid](*args, **keywords)
     if eager_launch(args[0]):
-        return kernel[grid](*args, **keywords)
+        return launch_direct(kernel, grid, *args, **keywords)
     return wrap_triton(kernel)[grid](*args, **keywords)
 
 
-def launch_direct(kernel, grid: tuple[int], *args, **keywords):
-    """Launches a kernel that torch.compile never traces (the data pipeline's) straight away. Through wrap_triton
-    outside a triton_op (whose eager calls skip it), every launch would dispatch a higher-order op, which costs more
-    host time than the data pipeline's kernels themselves."""
-    return kernel[grid](*args, **keywords)
+# compiled kernels of eager launches: (kernel, device, the arguments' specialization, keywords) -> (compiled
+# kernel, the constexpr arguments after the positional ones)
+_COMPILED: dict[tuple, tuple[Any, tuple]] = {}
+_I32 = (-2**31, 2**31)
+
+
+def _specialization(args: tuple) -> tuple:
+    """What Triton specialises a launch on, per positional argument: a tensor's dtype and 16-byte alignment, an
+    integer's being 1, a multiple of 16 and 32-bit; a float's type; anything else by value."""
+    return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor)
+                  else (a == 1, not a & 15, _I32[0] <= a < _I32[1]) if type(a) is int
+                  else float if type(a) is float else a for a in args])
+
+
+def launch_direct(kernel, grid: tuple[int, ...], *args, **keywords):
+    """Launches a kernel straight away (eager calls, the data pipeline's kernels): the first launch of each
+    specialization goes through Triton's JIT (which compiles or finds the kernel), later ones call the compiled
+    kernel's launcher directly, skipping the JIT's argument binding and cache-key work, which costs more host time
+    than the launch itself. Triton's check that the kernel's global values have not changed is skipped (the
+    kernels here read none)."""
+    if _INTERPRET:
+        return kernel[grid](*args, **keywords)
+    device = torch.cuda.current_device()
+    key = (kernel, device, _specialization(args), tuple(keywords.items()))
+    entry = _COMPILED.get(key)
+    if entry is None:
+        compiled = kernel[grid](*args, **keywords)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled  # an asynchronous compile
+        tail = tuple(keywords.get(p.name, p.default) for p in kernel.params[len(args):])
+        _COMPILED[key] = (compiled, tail)
+        return compiled
+    compiled, tail = entry
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    grid = (*grid, 1, 1)
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    metadata = compiled.launch_metadata(grid, stream, *args, *tail) if enter is not None else None
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata, enter,
+                 exit_, *args, *tail)
+    return compiled
 
 
 def kernel_op(name: str):

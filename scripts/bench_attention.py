@@ -263,18 +263,19 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def host_us(fn: Callable[[], object], reset: Callable[[], None] = lambda: None, reps: int = 20) -> float | None:
+def host_us(fn: Callable[[], object], reset: Callable[[], None] = lambda: None, reps: int = 50) -> float | None:
     """Median CPU time (µs) to enqueue fn() while the GPU is kept busy (CUDA only): the eager call's host
-    overhead. Where it exceeds the GPU time, an eager loop of such calls runs at the host's pace."""
+    overhead. Where it exceeds the GPU time, an eager loop of such calls runs at the host's pace. Process CPU time
+    (all threads: autograd runs a backward on its own), not wall time: a shared host's descheduling is not counted."""
     if not torch.cuda.is_available():
         return None
     times = []
     for _ in range(reps):
         reset()
         torch.cuda._sleep(4 * SLEEP_CYCLES)
-        t0 = time.perf_counter()
+        t0 = time.process_time_ns()
         fn()
-        times.append((time.perf_counter() - t0) * 1e6)
+        times.append((time.process_time_ns() - t0) / 1e3)
         torch.cuda.synchronize()
     return statistics.median(times)
 

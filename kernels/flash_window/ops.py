@@ -106,25 +106,29 @@ def _eager_image_backward(*args):
 
 
 class _WindowAttention(torch.autograd.Function):
-    """The window op's forward and backward bodies with the op's autograd, without its dispatch."""
-
-    forward = staticmethod(window_forward)
-    backward = staticmethod(_window_grad)
+    """The window op's forward and backward bodies with the op's autograd, without its dispatch. The context is set
+    up in forward itself: a separate setup_context makes some torch versions bind the arguments to forward's
+    signature (inspect.signature) on every call."""
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def forward(ctx, *inputs):
+        output = window_forward(*inputs)
         _window_setup(ctx, inputs, output, _eager_window_backward)
+        return output
+
+    backward = staticmethod(_window_grad)
 
 
 class _ImageAttention(torch.autograd.Function):
     """As _WindowAttention, for the image op."""
 
-    forward = staticmethod(image_forward)
-    backward = staticmethod(_image_grad)
-
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def forward(ctx, *inputs):
+        output = image_forward(*inputs)
         _image_setup(ctx, inputs, output, _eager_image_backward)
+        return output
+
+    backward = staticmethod(_image_grad)
 
 
 def _wants_grad(*tensors: torch.Tensor | None) -> bool:
