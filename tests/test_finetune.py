@@ -34,8 +34,8 @@ def _train(tmp_path: Path, name: str, *overrides: str) -> dict:
     return train_inprocess(tmp_path / name, *overrides, "logger.wandb.mode=disabled", "logger.progress=false")
 
 
-def test_finetune_config_is_the_official_recipe():
-    cfg = make_cfg("experiment=finetune", "model.pretrained=x.pth", "train.batch_size=1024")
+def test_finetune_in22k_in1k_is_the_official_recipe():
+    cfg = make_cfg("experiment=finetune_in22k_in1k", "model.pretrained=x.pth", "train.batch_size=1024")
     t = cfg.train
     assert (t.epochs, t.warmup_epochs, t.lr, t.weight_decay, t.lr_base_size) == (30, 5, 2e-5, 1e-8, 512)
     assert (t.warmup_lr, t.min_lr, t.opt, t.sched, t.clip_grad) == (2e-8, 2e-7, "adamw", "cosine", 5.0)
@@ -57,6 +57,25 @@ def test_layer_decay_groups():
     assert scale[named["head.fc.weight"]] == 1.0
     assert scale[named["patch_embed.proj.weight"]] < scale[named["layers.0.blocks.0.attn.qkv.weight"]] \
         < scale[named["layers.1.blocks.1.attn.qkv.weight"]] < 1.0
+
+
+@pytest.mark.slow
+def test_finetune_defaults_learn_unseen_digits(tmp_path):
+    """experiment=finetune with nothing but its own defaults takes swin_micro pretrained (train.py's default recipe)
+    on digits 0-5 to at least 95% on 6-9, which it never saw; the official 22k-to-1k recipe, whose lr scaled to
+    this batch cannot train the new classifier, says so at start."""
+    pre = _train(tmp_path, "pre", "data.classes=[0,1,2,3,4,5]")
+    assert pre["best_top1"] > 90, pre
+    best = tmp_path / "pre" / "checkpoints" / "best.pt"
+    fine = _train(tmp_path, "fine", "experiment=finetune", f"model.pretrained={best}", "data.classes=[6,7,8,9]",
+                  f"seed={int(torch.randint(0, 10_000, (1,)))}")
+    assert fine["final_top1"] >= 95, fine
+    log = (tmp_path / "fine" / "train.log").read_text()
+    assert "too small" not in log and "re-initialised the classifier (checkpoint had 6 classes)" in log
+    _train(tmp_path, "official", "experiment=finetune_in22k_in1k", f"model.pretrained={best}",
+           "data.classes=[6,7,8,9]", "train.epochs=1", "train.warmup_epochs=0")
+    warning = [line for line in (tmp_path / "official" / "train.log").read_text().splitlines() if "too small" in line]
+    assert len(warning) == 1 and "lr_base_size=null" in warning[0], warning
 
 
 @pytest.mark.slow

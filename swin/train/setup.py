@@ -45,13 +45,38 @@ def _build_optimizer(cfg: TrainAppConfig, raw_model: nn.Module, device: torch.de
         opt_kwargs["fused"] = True
     # timm puts norms, biases and no_weight_decay() (bias tables) in a group without weight decay,
     # and applies layer-wise lr decay through the model's group_matcher()
-    optimizer = create_optimizer_v2(raw_model, opt=t.opt, lr=lr, weight_decay=t.weight_decay,
-                                    momentum=t.momentum, layer_decay=t.layer_decay, **opt_kwargs)
-    scheduler, _ = create_scheduler_v2(
-        optimizer, sched=t.sched, num_epochs=t.epochs - t.warmup_epochs if t.warmup_prefix else t.epochs,
-        warmup_epochs=t.warmup_epochs, warmup_lr=warmup_lr, min_lr=min_lr, warmup_prefix=t.warmup_prefix,
-        step_on_epochs=False, updates_per_epoch=steps_per_epoch)
+    try:
+        optimizer = create_optimizer_v2(raw_model, opt=t.opt, lr=lr, weight_decay=t.weight_decay,
+                                        momentum=t.momentum, layer_decay=t.layer_decay, **opt_kwargs)
+    except ValueError as e:  # timm: "Optimizer adamx not found in registry"
+        raise ConfigError(f"train.opt={t.opt!r}: {e}; e.g. adamw, sgd, lamb (timm.optim.list_optimizers() has "
+                          "them all)") from None
+    _warn_if_lr_too_small(lr, scale, t.epochs * steps_per_epoch)
+    try:
+        scheduler, _ = create_scheduler_v2(
+            optimizer, sched=t.sched, num_epochs=t.epochs - t.warmup_epochs if t.warmup_prefix else t.epochs,
+            warmup_epochs=t.warmup_epochs, warmup_lr=warmup_lr, min_lr=min_lr, warmup_prefix=t.warmup_prefix,
+            step_on_epochs=False, updates_per_epoch=steps_per_epoch)
+    except ValueError as e:  # timm: "Unknown scheduler 'cosin'."
+        raise ConfigError(f"train.sched={t.sched!r}: {e} Use cosine, tanh, step, multistep, plateau or "
+                          "poly") from None
     return optimizer, scheduler
+
+
+# a freshly initialised classifier needs its weights (init std 0.02) moved by about this much, in sum over the run
+MIN_HEAD_TRAVEL = 0.01
+
+
+def _warn_if_lr_too_small(lr: float, scale: float, updates: int) -> None:
+    """One log line at start when the classifier's peak lr cannot train a new head in the run's updates: an
+    Adam-type update moves each weight by about lr, so the whole run moves it by at most lr x updates."""
+    if lr * updates >= MIN_HEAD_TRAVEL:
+        return
+    scaled = f" (train.lr scaled by batch_size / lr_base_size = {scale:g})" if scale != 1.0 else ""
+    log.warning(f"lr {lr:.3g}{scaled} is too small to train a freshly initialised classifier: {updates} updates "
+                f"move a weight by at most {lr * updates:.2g}, it needs about {MIN_HEAD_TRAVEL}. Raise train.lr"
+                + (" or set train.lr_base_size=null" if scale != 1.0 else "")
+                + " (experiment=finetune is the recipe for small datasets)")
 
 
 def _build_criterion(t: TrainConfig, num_classes: int) -> tuple[nn.Module, Mixup | None]:
