@@ -48,4 +48,10 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from swin.cli import preflight
+
+    # --help with each key's description (the schema's), a bad override in one line; then Hydra's app
+    status = preflight("train", sys.argv[1:])
+    if status is not None:
+        sys.exit(status)
     main()

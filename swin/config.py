@@ -1,7 +1,8 @@
 """Config schemas: Hydra structured configs giving every key of configs/ its type.
 
-The YAML files keep the values and their documentation; these dataclasses only say what each key accepts
-(every field is MISSING here, so a value lives in one place). train.yaml and eval.yaml start their defaults list
+The YAML files keep the values; these dataclasses say what each key accepts and what it does (every field is
+MISSING here, so a value lives in one place, and carries its one-line description, which ``--help`` prints:
+swin.cli). train.yaml and eval.yaml start their defaults list
 with their schema (``/schema/train@_here_``; benchmark.yaml and bench_data.yaml with theirs, which live beside
 their scripts), and each configs/data/ file with its dataset's (``/schema/data/imagefolder@_here_``): Hydra then
 merges every config file and command-line override into a typed node, so ``train.lr=abc`` stops at start with
@@ -27,178 +28,202 @@ class ConfigError(ValueError):
     """A configuration that cannot work; raised before any work starts, the message names the key and the fix."""
 
 
+def key(description: str) -> Any:
+    """A schema field: its value comes from the YAML files (MISSING here); ``description`` is its one line in
+    ``--help`` (swin.cli)."""
+    return field(default=MISSING, metadata={"help": description})
+
+
+def section(node: type, description: str) -> Any:
+    """A nested schema (train:, logger:, ...) with its line in ``--help``."""
+    return field(default_factory=node, metadata={"help": description})
+
+
 @dataclass
 class ModelConfig:
     """configs/model/*.yaml: keys map onto swin.create_model overrides."""
 
-    name: str = MISSING
-    attention: str = MISSING
-    fused_mlp_act: bool = MISSING
-    fused_merge_norm: bool = MISSING
-    pretrained: str | None = MISSING
-    num_classes: int | None = MISSING
+    name: str = key("architecture (swin.create_model name); the model= option sets it with the keys below")
+    attention: str = key("window attention backend: auto (flash_window on CUDA, sdpa on the CPU) | flash_window | "
+                         "sdpa | standard")
+    fused_mlp_act: bool = key("inference on CUDA in bf16/fp16: fc1 and GELU in one cuBLASLt GEMM")
+    fused_merge_norm: bool = key("inference on CUDA: residual add, 2x2 patch merging and its norm in one kernel")
+    pretrained: str | None = key("weights to start from: a file (timm, official Microsoft, train.py's) or "
+                                 "timm:<name.tag>; the classifier is re-initialised if num_classes differs")
+    num_classes: int | None = key("classifier outputs; null: the dataset's class count")
     # an int or [height, width], as create_model takes them (OmegaConf has no int-or-list type: check_config checks)
-    img_size: Any = MISSING
-    patch_size: Any = MISSING
-    window_size: Any = MISSING
-    embed_dim: int = MISSING
-    depths: list[int] = MISSING
-    num_heads: list[int] = MISSING
-    drop_path_rate: float = MISSING
+    img_size: Any = key("input resolution: an int or [height, width]")
+    patch_size: Any = key("patch embedding stride: an int or [height, width]")
+    window_size: Any = key("attention window: an int or [height, width]; pretrained bias tables are resized")
+    embed_dim: int = key("channels of the first stage (doubled at each later stage)")
+    depths: list[int] = key("blocks per stage")
+    num_heads: list[int] = key("attention heads per stage")
+    drop_path_rate: float = key("stochastic depth rate of the last block (linear from 0)")
 
 
 @dataclass
 class SwinV2ModelConfig(ModelConfig):
-    """configs/model/swinv2_*.yaml: also the windows the weights were pretrained with, one per stage (0: the
-    stage's own window)."""
+    """configs/model/swinv2_*.yaml."""
 
-    pretrained_window_sizes: list[int] = MISSING
+    pretrained_window_sizes: list[int] = key("Swin V2: the window each stage's weights were pretrained with "
+                                             "(0: its own window)")
 
 
 @dataclass
 class DataConfig:
     """Keys every dataset has; each configs/data/ file extends one of the subclasses."""
 
-    name: str = MISSING
-    root: str | None = MISSING
-    num_workers: int = MISSING
-    train_limit: int | None = MISSING
-    val_limit: int | None = MISSING
+    name: str = key("dataset kind; the data= option sets it with the keys below")
+    root: str | None = key("dataset folder (folder datasets: required)")
+    num_workers: int = key("loader worker processes per training process")
+    train_limit: int | None = key("use only the first N training images (smoke runs); null: all")
+    val_limit: int | None = key("use only the first N validation images; null: all")
 
 
 @dataclass
 class DigitsDataConfig(DataConfig):
-    val_fraction: float = MISSING
-    split_seed: int = MISSING
-    classes: list[int] | None = MISSING
-    shift: int = MISSING
+    """data=digits: scikit-learn's 8x8 handwritten digits, upscaled to model.img_size."""
+
+    val_fraction: float = key("fraction of the images held out (stratified) for validation")
+    split_seed: int = key("seed of the train/validation split")
+    classes: list[int] | None = key("a subset of the digits, e.g. [0,1,2], relabelled 0..k-1; null: all ten")
+    shift: int = key("training augmentation: random translation by up to this many pixels (0: none)")
 
 
 @dataclass
 class ImageFolderDataConfig(DataConfig):
-    """data=imagefolder and data=imagenet."""
+    """data=imagefolder and data=imagenet: <root>/<train_dir>/<class>/*.jpg and <root>/<val_dir>/<class>/*.jpg."""
 
-    train_dir: str = MISSING
-    val_dir: str = MISSING
-    skip_corrupt: bool = MISSING
-    decode: str = MISSING
-    gpu_decode_thread: bool = MISSING
-    gpu_ycbcr: bool = MISSING  # data.decode=gpu training: YCbCr planes from the JPEG engines, converted in the crops
-    batch_ring: str = MISSING  # data.decode=gpu workers' batches: gpu (device memory over CUDA IPC) or host
-    augment: str | None = MISSING  # null: where data.decode decodes
-    mean: list[float] = MISSING
-    std: list[float] = MISSING
-    interpolation: str = MISSING
-    crop_pct: float = MISSING
-    scale: list[float] = MISSING
-    ratio: list[float] = MISSING
-    hflip: float = MISSING
-    color_jitter: Any = MISSING  # one strength, or [brightness, contrast, saturation(, hue)] as timm takes it
-    auto_augment: str | None = MISSING
-    reprob: float = MISSING
-    remode: str = MISSING
-    recount: int = MISSING
+    train_dir: str = key("training split's folder under root")
+    val_dir: str = key("validation split's folder under root")
+    skip_corrupt: bool = key("true: drop unreadable images (counted in the log) instead of stopping")
+    decode: str = key("where JPEGs are decoded: cpu (loader workers, PIL) | gpu (nvJPEG on the training device)")
+    gpu_decode_thread: bool = key("decode=gpu: decode in a thread of the training process, not in the workers")
+    gpu_ycbcr: bool = key("decode=gpu training: decode to YCbCr planes, converted to RGB in the crop kernels")
+    batch_ring: str = key("decode=gpu workers hand batches over in host (page-locked) or gpu (CUDA IPC) memory")
+    augment: str | None = key("where the training transforms run: cpu | gpu; null: where decode decodes")
+    mean: list[float] = key("normalisation mean per channel")
+    std: list[float] = key("normalisation standard deviation per channel")
+    interpolation: str = key("resize interpolation: bicubic | bilinear | ...")
+    crop_pct: float = key("evaluation: resize to img_size / crop_pct, then center-crop img_size")
+    scale: list[float] = key("RandomResizedCrop area range")
+    ratio: list[float] = key("RandomResizedCrop aspect-ratio range")
+    hflip: float = key("horizontal flip probability")
+    # one strength, or [brightness, contrast, saturation(, hue)] as timm takes it
+    color_jitter: Any = key("colour jitter strength, or [brightness, contrast, saturation(, hue)]; off with "
+                            "auto_augment")
+    auto_augment: str | None = key("timm RandAugment/AutoAugment policy, e.g. rand-m9-mstd0.5-inc1; null: none")
+    reprob: float = key("random erasing probability")
+    remode: str = key("random erasing fill: pixel | rand | const")
+    recount: int = key("random erasing: regions per image")
 
 
 @dataclass
 class SyntheticDataConfig(DataConfig):
-    num_classes: int = MISSING
-    train_samples: int = MISSING
-    val_samples: int = MISSING
+    """data=synthetic: random images made on the training device (throughput and smoke runs)."""
+
+    num_classes: int = key("label count (label = image index % num_classes)")
+    train_samples: int = key("images per training epoch")
+    val_samples: int = key("validation images")
 
 
 @dataclass
 class TrainConfig:
     """train: in configs/train.yaml."""
 
-    epochs: int = MISSING
-    batch_size: int = MISSING
-    accum_steps: int = MISSING
-    eval_batch_size: int | None = MISSING
-    opt: str = MISSING
-    lr: float = MISSING
-    lr_base_size: int | None = MISSING
-    min_lr: float = MISSING
-    warmup_lr: float = MISSING
-    warmup_epochs: int = MISSING
-    warmup_prefix: bool = MISSING
-    sched: str = MISSING
-    weight_decay: float = MISSING
-    layer_decay: float | None = MISSING
-    opt_eps: float | None = MISSING
-    opt_betas: list[float] | None = MISSING
-    momentum: float = MISSING
-    opt_fused: Any = MISSING  # auto | true | false (OmegaConf has no str-or-bool type; check_config checks it)
-    clip_grad: float | None = MISSING
-    clip_mode: str = MISSING
-    label_smoothing: float = MISSING
-    mixup: float = MISSING
-    cutmix: float = MISSING
-    mixup_prob: float = MISSING
-    mixup_switch_prob: float = MISSING
-    mixup_mode: str = MISSING
-    amp: str = MISSING
-    compile: Any = MISSING  # auto | true | false (OmegaConf has no str-or-bool type; check_config checks it)
-    compile_mode: str = MISSING
-    grad_checkpointing: bool = MISSING
-    ema: bool = MISSING
-    ema_decay: float = MISSING
-    eval_every: int = MISSING
-    save_every_epochs: int = MISSING
-    save_every_steps: int = MISSING
-    require_pretrained: bool = MISSING
-    resume: str | None = MISSING
-    auto_resume: bool = MISSING
-    max_nonfinite: int = MISSING
+    epochs: int = key("training epochs")
+    batch_size: int = key("global batch per optimizer update: processes x accum_steps x micro-batch")
+    accum_steps: int = key("micro-batches per update (gradient accumulation); must divide the per-process batch")
+    eval_batch_size: int | None = key("evaluation batch per process; null: twice the training micro-batch")
+    opt: str = key("optimizer, any timm name: adamw | sgd | lamb | ...")
+    lr: float = key("peak learning rate (of the classifier where layer_decay is set)")
+    lr_base_size: int | None = key("if set, lr, min_lr and warmup_lr are for this global batch and scale "
+                                   "linearly with batch_size")
+    min_lr: float = key("learning rate at the end of the schedule")
+    warmup_lr: float = key("learning rate at the start of warm-up")
+    warmup_epochs: int = key("epochs of linear warm-up")
+    warmup_prefix: bool = key("warm-up before the schedule (official Swin) rather than inside it")
+    sched: str = key("learning-rate schedule, any timm name (cosine | step | ...), stepped every update")
+    weight_decay: float = key("weight decay (not on norms, biases and position bias tables)")
+    layer_decay: float | None = key("layer-wise lr decay: each block group from the head down gets this factor "
+                                    "more, e.g. 0.75; null: off")
+    opt_eps: float | None = key("optimizer epsilon; null: the optimizer's default")
+    opt_betas: list[float] | None = key("Adam betas; null: the optimizer's default")
+    momentum: float = key("momentum (sgd-type optimizers)")
+    # auto | true | false (OmegaConf has no str-or-bool type; check_config checks it)
+    opt_fused: Any = key("fused AdamW/Adam kernels: auto (on CUDA) | true | false")
+    clip_grad: float | None = key("gradient clipping threshold; null: none")
+    clip_mode: str = key("clipping: norm | value | agc")
+    label_smoothing: float = key("label smoothing of the loss")
+    mixup: float = key("mixup alpha (0: off)")
+    cutmix: float = key("cutmix alpha (0: off)")
+    mixup_prob: float = key("probability of mixing a batch when mixup or cutmix is on")
+    mixup_switch_prob: float = key("probability of cutmix rather than mixup when both are on")
+    mixup_mode: str = key("mix per batch | pair | elem")
+    amp: str = key("precision: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32")
+    # auto | true | false (OmegaConf has no str-or-bool type; check_config checks it)
+    compile: Any = key("torch.compile the model: auto (on CUDA, not on the CPU) | true | false")
+    compile_mode: str = key("auto (CUDA graphs on one GPU without accumulation, else default) | default | "
+                            "reduce-overhead | max-autotune | max-autotune-no-cudagraphs")
+    grad_checkpointing: bool = key("recompute blocks in the backward: less memory, slower")
+    ema: bool = key("keep an exponential moving average of the weights (evaluated, kept as best.pt)")
+    ema_decay: float = key("EMA decay per update")
+    eval_every: int = key("evaluate every N epochs (and after the last)")
+    save_every_epochs: int = key("also keep checkpoints/epoch_XXXX.pt every N epochs (0: never)")
+    save_every_steps: int = key("also refresh last.pt every N updates inside an epoch (0: never)")
+    require_pretrained: bool = key("refuse to start without model.pretrained")
+    resume: str | None = key("start from this checkpoint (full training state) unless the run dir has its own")
+    auto_resume: bool = key("continue from <run dir>/checkpoints/last.pt when it exists")
+    max_nonfinite: int = key("stop after this many non-finite losses or gradients in a row (each skips its update)")
 
 
 @dataclass
 class WandbConfig:
-    mode: str = MISSING
-    project: str = MISSING
-    entity: str | None = MISSING
-    name: str | None = MISSING
-    tags: list[str] = MISSING
+    mode: str = key("online | offline (kept in the run dir, `wandb sync` later) | disabled")
+    project: str = key("wandb project")
+    entity: str | None = key("wandb entity (team); null: your default")
+    name: str | None = key("run name; null: wandb's")
+    tags: list[str] = key("run tags")
 
 
 @dataclass
 class LoggerConfig:
-    progress: bool = MISSING
-    log_every_steps: int = MISSING
-    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress: bool = key("progress bar on the console")
+    log_every_steps: int = key("a log line (train.log, wandb) every N updates; each waits for the GPU")
+    wandb: WandbConfig = section(WandbConfig, "Weights & Biases logging")
 
 
 @dataclass
 class TrainAppConfig:
     """configs/train.yaml (train.py)."""
 
-    model: ModelConfig = MISSING
-    data: DataConfig = MISSING
-    seed: int = MISSING
-    device: str = MISSING
-    train: TrainConfig = field(default_factory=TrainConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    model: ModelConfig = key("the model (model=<option> picks a configs/model file)")
+    data: DataConfig = key("the dataset (data=<option> picks a configs/data file)")
+    seed: int = key("random seed (initialisation, data order, augmentation)")
+    device: str = key("auto (cuda if available) | cpu | cuda")
+    train: TrainConfig = section(TrainConfig, "optimisation, schedule, precision, compilation, checkpoints")
+    logger: LoggerConfig = section(LoggerConfig, "console, train.log and wandb")
 
 
 @dataclass
 class EvalAppConfig:
     """configs/eval.yaml (eval.py)."""
 
-    model: ModelConfig = MISSING
-    data: DataConfig = MISSING
-    checkpoint: str = MISSING
-    ema: bool | None = MISSING
-    from_checkpoint: bool = MISSING
-    transforms: str = MISSING
-    seed: int = MISSING
-    device: str = MISSING
-    batch_size: int = MISSING
-    amp: str = MISSING
-    progress: bool = MISSING
-    output: str | None = MISSING
-
-
-                                       # default (on)
+    model: ModelConfig = key("the model, when not taken from the checkpoint (model=<option>)")
+    data: DataConfig = key("the dataset, when not taken from the checkpoint (data=<option>)")
+    checkpoint: str = key("required: weights to evaluate: train.py's best.pt/last.pt, a timm or official "
+                          "Microsoft file, or timm:<name.tag>")
+    ema: bool | None = key("null: the EMA weights when the checkpoint has them; true: require them; false: raw")
+    from_checkpoint: bool = key("our checkpoints: take model and data config from the training run, unless "
+                                "model=/data= are given")
+    transforms: str = key("auto (ours: the run's data config; timm/Microsoft weights: timm's pretrained config) "
+                          "| data (the data config)")
+    seed: int = key("random seed")
+    device: str = key("auto (cuda if available) | cpu | cuda")
+    batch_size: int = key("images per batch and process")
+    amp: str = key("precision: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32")
+    progress: bool = key("progress bar on the console")
+    output: str | None = key("results file (JSON); null: <run dir>/eval_results.json")
 
 
 def to_settings(cfg: DictConfig | T) -> T:

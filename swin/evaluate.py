@@ -38,6 +38,7 @@ from swin.config import (
     as_folder,
     to_settings,
 )
+from swin.console import attach_logging, detach_logging
 from swin.data.datasets import build_datasets, decode_mode, folder_split
 from swin.data.loaders import build_eval_loader
 from swin.io import write_json
@@ -264,6 +265,9 @@ def run_eval(cfg: EvalAppConfig | DictConfig, run_dir: str | os.PathLike,
     cfg = to_settings(cfg)
     dist = init_distributed(cfg.device)
     check_backend(cfg.model.attention, dist.device)
+    if dist.is_main:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    handlers = attach_logging(Path(run_dir) / "eval.log" if dist.is_main else None, dist.is_main)
     try:
         ckpt = read_source(cfg.checkpoint, ema=cfg.ema)
         model_cfg, data_cfg = _model_and_data(cfg, ckpt, cli_keys or set())
@@ -306,11 +310,12 @@ def run_eval(cfg: EvalAppConfig | DictConfig, run_dir: str | os.PathLike,
         }
         if dist.is_main:
             out = write_json(cfg.output or Path(run_dir) / "eval_results.json", results)
-            log.info(f"top1 {results['top1']:.3f}%  top5 {results['top5']:.3f}%  loss {results['loss']:.4f}  "
-                     f"{results['images_per_sec']:.1f} img/s over {results['num_images']} images; {out}")
+            log.info(f"top1 {results['top1']:.2f}%, top5 {results['top5']:.2f}%, loss {results['loss']:.4f}, "
+                     f"{results['images_per_sec']:.0f} img/s over {results['num_images']} images; {out}")
         barrier()
         return results
     finally:
+        detach_logging(handlers)
         cleanup()
 
 

@@ -18,6 +18,7 @@ import torch
 
 from swin.config import to_dict
 from swin.io import atomic_write, remove_stale_temporaries
+from swin.models.pretrained import CheckpointError
 from swin.train.distributed import all_gather_object, broadcast_object, seed_everything
 from swin.train.guard import StepStats
 from swin.train.state import Run
@@ -118,6 +119,24 @@ def save_checkpoint(run: Run, name: str, epoch: int, step: int) -> None:
     })
 
 
+def _load_weights_and_optimizer(run: Run, state: dict[str, Any], path: str, own: bool) -> None:
+    """The model and optimizer state of a training checkpoint; CheckpointError when it belongs to another model
+    or optimizer setup than this run's (a run directory reused with other model.* or train.* keys)."""
+    fix = ("train in a new run directory (hydra.run.dir=...), or rerun with the keys that run had" if own else
+           "set model.* and train.* as that run had them, or start from its weights with model.pretrained=PATH")
+    try:
+        run.raw_model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
+        raise CheckpointError(f"cannot resume from {path}: it holds another model than this run's ("
+                              f"{len(lines)} mismatch(es), first: {lines[0] if lines else e}); {fix}") from None
+    try:
+        run.optimizer.load_state_dict(state["optimizer"])
+    except ValueError as e:
+        raise CheckpointError(f"cannot resume from {path}: its optimizer state does not fit this run's optimizer "
+                              f"({e}; train.opt or train.layer_decay changed?); {fix}") from None
+
+
 def resume(run: Run) -> None:
     """Continue from this run's own last.pt, else from train.resume, if either exists."""
     t, dist = run.cfg.train, run.dist
@@ -135,8 +154,7 @@ def resume(run: Run) -> None:
     resume_path = broadcast_object(resume_path)
     if resume_path:
         state = load_train_state(resume_path)
-        run.raw_model.load_state_dict(state["model"])
-        run.optimizer.load_state_dict(state["optimizer"])
+        _load_weights_and_optimizer(run, state, resume_path, own=resume_path == str(run.ckpt_dir / "last.pt"))
         run.scheduler.load_state_dict(state["scheduler"])
         run.scaler.load_state_dict(state["scaler"])
         if run.ema is not None and state.get("ema") is not None:

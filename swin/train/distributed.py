@@ -98,7 +98,10 @@ def pick_device(name: str) -> torch.device:
     """'auto' -> cuda if available else cpu; 'cuda' without a GPU is an error naming the fix."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device={name!r}: use auto, cpu, cuda or cuda:<index>") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but no CUDA GPU is visible; use device=cpu (or device=auto)")
     return device

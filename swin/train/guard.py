@@ -125,6 +125,11 @@ class StepStats:
 
     def __init__(self, device: torch.device, nonfinite_total: int = 0):
         self.values = torch.tensor([0.0, float(nonfinite_total), 0.0, 0.0, 0.0], dtype=torch.float64, device=device)
+        # peek(): the values copied to page-locked memory after an update, ready once the event has passed
+        self._cuda = device.type == "cuda"
+        self._host = torch.empty(5, dtype=torch.float64, pin_memory=True) if self._cuda else None
+        self._copied: torch.cuda.Event | None = None
+        self._latest: tuple[float, int] | None = None
 
     def record(self, loss: torch.Tensor, loss_bad: torch.Tensor, counted: torch.Tensor) -> None:
         """One update: its mean loss, whether the loss was non-finite, whether the update counts as non-finite."""
@@ -136,6 +141,24 @@ class StepStats:
 
     def new_epoch(self) -> None:
         self.values[2:4].zero_()
+        self._copied, self._latest = None, None
+
+    def peek(self) -> tuple[float, int] | None:
+        """(loss sum, finite steps) of the epoch as of a recent update, without waiting for the device: on CUDA,
+        the last copy that has arrived (each call starts the next copy once the previous one is done); None before
+        the first has arrived. For live figures between sync points."""
+        if not self._cuda:
+            loss_sum, n = self.values[2:4].tolist()  # CPU values: no device to wait for
+            return loss_sum, int(n)
+        if self._copied is not None:
+            if not self._copied.query():
+                return self._latest
+            loss_sum, n = self._host[2:4].tolist()
+            self._latest = (loss_sum, int(n))
+        self._host.copy_(self.values, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return self._latest
 
     def read(self) -> StepCounts:
         """The counters (one sync); the longest streak starts again from the current one."""

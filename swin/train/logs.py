@@ -6,32 +6,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from swin.config import ConfigError, TrainAppConfig, to_dict
 from swin.io import write_json
 from swin.train.state import Run
 
 log = logging.getLogger("swin.train")
-
-
-class _TqdmHandler(logging.StreamHandler):
-    """Console log lines that do not break the progress bar."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        tqdm.write(self.format(record))
-
-
-def setup_logging(run_dir: Path, is_main: bool) -> list[logging.Handler]:
-    log.setLevel(logging.INFO if is_main else logging.WARNING)
-    log.propagate = False
-    handlers: list[logging.Handler] = [_TqdmHandler()]
-    if is_main:
-        handlers.append(logging.FileHandler(run_dir / "train.log"))
-    for h in handlers:
-        h.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%Y-%m-%d %H:%M:%S"))
-        log.addHandler(h)
-    return handlers
 
 
 def init_wandb(cfg: TrainAppConfig, run_dir: Path, run_id: str | None) -> Any:

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from swin.config import ConfigError, TrainAppConfig
+from swin.console import attach_logging, detach_logging
 from swin.evaluate import evaluate
 from swin.train.checkpoint import resume, save_checkpoint
 from swin.train.checks import check_config
@@ -41,7 +42,7 @@ from swin.train.distributed import (
     pick_device,
 )
 from swin.train.guard import NonFiniteLossError
-from swin.train.logs import init_wandb, setup_logging, write_summary
+from swin.train.logs import init_wandb, write_summary
 from swin.train.preemption import Interrupted, Preempted, PreemptionFlag
 from swin.train.setup import setup
 from swin.train.state import Run
@@ -67,7 +68,7 @@ def train(cfg: DictConfig | TrainAppConfig, run_dir: str | Path) -> dict[str, An
     if dist.is_main:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     barrier()
-    handlers = setup_logging(run_dir, dist.is_main)
+    handlers = attach_logging(run_dir / "train.log" if dist.is_main else None, dist.is_main)
     preemption = PreemptionFlag()
     preemption.install()
     try:
@@ -81,9 +82,7 @@ def train(cfg: DictConfig | TrainAppConfig, run_dir: str | Path) -> dict[str, An
         raise
     finally:
         preemption.uninstall()
-        for h in handlers:
-            log.removeHandler(h)
-            h.close()
+        detach_logging(handlers)
         cleanup()
 
 
@@ -137,8 +136,10 @@ class EpochClock:
             self.t_first = now
         self.t_last = now
 
-    def images_per_sec(self) -> float:
-        span = (self.t_last or 0.0) - (self.t_first or 0.0)
+    def images_per_sec(self, now: float | None = None) -> float:
+        """Images/s of the timed updates up to the last sync point, or up to `now` (host time: an estimate between
+        sync points, as the host runs at most a few updates ahead of the device)."""
+        span = (now or self.t_last or 0.0) - (self.t_first or 0.0)
         return self.images / span if self.images and span > 0 else 0.0
 
     def data_wait_fraction(self) -> float | None:
@@ -180,20 +181,41 @@ def sync_and_log(run: Run, reads: _Reads, clock: EpochClock, epoch: int, step: i
             "Lower train.lr, keep train.clip_grad on, or use train.amp=bf16/fp32 instead of fp16")
     cur_lr = run.optimizer.param_groups[0]["lr"]
     ips, wait = clock.images_per_sec(), clock.data_wait_fraction()
-    bar.set_postfix(loss=f"{_window_mean((loss_sum, n), reads.bar):.4f}", lr=f"{cur_lr:.2e}", img_s=f"{ips:.0f}",
-                    data_wait="-" if wait is None else f"{wait:.0%}", refresh=False)
-    reads.bar = (loss_sum, n)
+    _show(bar, reads, (loss_sum, n), cur_lr, ips, wait)
     if run.global_step % run.cfg.logger.log_every_steps == 0:
         loss = _window_mean((loss_sum, n), reads.log)
         reads.log = (loss_sum, n)
         log.info(f"epoch {epoch + 1} step {step + 1}/{run.steps_per_epoch} loss {loss:.4f} lr {cur_lr:.3e} "
-                 f"img/s {ips:.0f} data-wait {'-' if wait is None else f'{wait:.1%}'}")
+                 f"img/s {ips:.0f} data-wait {'-' if wait is None else f'{wait:.1%}'}" if ips else
+                 f"epoch {epoch + 1} step {step + 1}/{run.steps_per_epoch} loss {loss:.4f} lr {cur_lr:.3e}")
         if run.wandb_run is not None:
             record = {"train/loss": loss, "train/lr": cur_lr, "train/images_per_sec": ips}
             if wait is not None:
                 record["train/data_wait_fraction"] = wait
             run.wandb_run.log(record, step=run.global_step)
     return loss_sum, n
+
+
+def _show(bar: tqdm, reads: _Reads, losses: tuple[float, int], lr: float, ips: float, wait: float | None) -> None:
+    """The progress bar's figures: the mean loss since its last refresh, lr, images/s and the data-wait share."""
+    loss = _window_mean(losses, reads.bar)
+    if losses[1] > reads.bar[1]:
+        reads.bar = losses
+    bar.set_postfix(loss="-" if math.isnan(loss) else f"{loss:.4f}", lr=f"{lr:.2e}",
+                    img_s=f"{ips:.0f}" if ips else "-", data_wait="-" if wait is None else f"{wait:.0%}",
+                    refresh=False)
+
+
+def show_live(run: Run, reads: _Reads, clock: EpochClock, bar: tqdm) -> None:
+    """Progress-bar figures after an update between sync points, without waiting for the device: the loss of
+    the updates whose counters have arrived (StepStats.peek), images/s and data wait by the host's clock."""
+    losses = run.stats.peek()
+    if losses is None or losses[1] <= reads.bar[1]:
+        losses = reads.bar  # nothing new has arrived: the same loss, fresh rates
+    now = time.perf_counter()
+    span = now - (clock.t_first or now)
+    _show(bar, reads, losses, run.optimizer.param_groups[0]["lr"], clock.images_per_sec(now),
+          min(1.0, clock.data_wait / span) if span > 0 else None)
 
 
 def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
@@ -242,6 +264,8 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
             if step + 1 < run.steps_per_epoch and run.preemption.agreed(run.device):
                 bar.close()
                 stop_for_preemption(run, epoch, step + 1)
+        elif not bar.disable:
+            show_live(run, reads, clock, bar)
         if save_now:
             save_checkpoint(run, "last.pt", epoch, step + 1)
         # Ctrl-C in one process: stop after the update in flight (the epoch's end is left to finish_epoch)
