@@ -202,10 +202,16 @@ def test_gpu_steady_state_step_never_syncs(tmp_path, case):
     try:
         for _ in range(4):
             _step(run, batches)
+            run.stats.peek()  # the progress bar's live figures: an asynchronous copy, no sync
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    run.stats.peek()  # collects the last copy, starts one of the final counters
+    torch.cuda.synchronize()
+    live = run.stats.peek()
     counts = run.stats.read()
     assert (counts.longest_streak, counts.streak, counts.total, counts.finite) == (0, 0, 0, 5)
+    assert live == (pytest.approx(counts.loss_sum), 5)
 
 
 def test_ema_updater_matches_timm_model_ema_and_skips_on_the_device():
