@@ -95,9 +95,25 @@ def _compose(program: str, argv: list[str]) -> DictConfig:
 
     import swin.config  # noqa: F401  (registers the schemas)
 
-    overrides = [a for a in argv if not a.startswith("-") and not a.startswith(("hydra.", "hydra/"))]
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose(program, overrides=overrides, return_hydra_config=True)
+        return compose(program, overrides=_overrides(argv), return_hydra_config=True)
+
+
+# Hydra's flags that take a value (the next argument)
+VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir",
+               "-cd", "--info", "-i", "--experimental-rerun")
+
+
+def _overrides(argv: list[str]) -> list[str]:
+    """The command line's config overrides: no flags (nor their values), nothing of Hydra's own config."""
+    out, skip = [], False
+    for a in argv:
+        if skip or a.startswith("-"):
+            skip = not skip and a in VALUE_FLAGS
+            continue
+        if not a.startswith(("hydra.", "hydra/")):
+            out.append(a)
+    return out
 
 
 def _one_line(program: str, e: Exception) -> str:
@@ -121,13 +137,13 @@ def _one_line(program: str, e: Exception) -> str:
 
 def override_error(program: str, argv: list[str]) -> str | None:
     """One line saying why the command line's overrides do not compose (a misspelt key or option, a value of the
-    wrong type), or None when they do. Hydra reports these in several lines, with the schema's internals; sweeps
-    (-m) are left to it."""
+    wrong type), or None when they do. Hydra reports these in several lines, with the schema's internals; command
+    lines with flags (-m, --cfg, ...) or extra search paths are left to it."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    if "-m" in argv or "--multirun" in argv:
-        return None
+    if any(a.startswith("-") or "hydra.searchpath" in a for a in argv):
+        return None  # sweeps (-m), other flags, config groups on another search path: Hydra's own business
     try:
         _compose(program, argv)
     except (HydraException, OmegaConfBaseException) as e:

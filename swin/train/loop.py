@@ -250,7 +250,6 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
         epoch_skipped += skipped
         run.global_step += 1
         run.scheduler.step_update(num_updates=run.global_step)
-        bar.update(1)
         save_now = bool(t.save_every_steps) and run.global_step % t.save_every_steps == 0
         save_now = save_now and step + 1 < run.steps_per_epoch  # the epoch end saves anyway
         if (step == first or step + 1 == run.steps_per_epoch or save_now
@@ -266,6 +265,7 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
                 stop_for_preemption(run, epoch, step + 1)
         elif not bar.disable:
             show_live(run, reads, clock, bar)
+        bar.update(1)  # after the figures are set: a refresh shows this update's
         if save_now:
             save_checkpoint(run, "last.pt", epoch, step + 1)
         # Ctrl-C in one process: stop after the update in flight (the epoch's end is left to finish_epoch)
