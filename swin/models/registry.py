@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
+from swin.models.features import SwinFeatures
 from swin.models.pretrained import load_pretrained
 from swin.models.swin_transformer import SwinTransformer
 
@@ -77,8 +79,13 @@ def architecture(name: str, **overrides: Any) -> dict[str, Any]:
     return {**MODEL_CONFIGS[name], **{k: v for k, v in overrides.items() if v is not None}}
 
 
-def create_model(name: str, pretrained: str | bool | None = None, **overrides: Any) -> SwinTransformer:
+def create_model(name: str, pretrained: str | bool | None = None, features_only: bool = False,
+                 out_indices: Sequence[int] | None = None, **overrides: Any) -> SwinTransformer | SwinFeatures:
     """Build a Swin model by timm name, with keyword overrides of its architecture.
+
+    ``features_only``: the backbone as timm builds it (swin.models.features.SwinFeatures: the NHWC maps of the
+    stages ``out_indices`` selects, default all; the classifier and final norm dropped, after loading
+    ``pretrained`` into the whole model, so a classification checkpoint loads).
 
     Overrides: attention, num_classes, img_size, window_size, patch_size, embed_dim, depths,
     num_heads, drop_path_rate, drop_rate, mlp_ratio, in_chans, qkv_bias, dynamic_img_size,
@@ -104,4 +111,8 @@ def create_model(name: str, pretrained: str | bool | None = None, **overrides: A
         raise ValueError(f"bad override for {name}: {e}") from None
     if pretrained:
         load_pretrained(model, pretrained)
+    if features_only:
+        return SwinFeatures(model, range(model.num_layers) if out_indices is None else out_indices)
+    if out_indices is not None:
+        raise ValueError("out_indices selects the stages of a features_only model: pass features_only=True")
     return model

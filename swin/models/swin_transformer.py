@@ -426,6 +426,9 @@ class SwinTransformer(nn.Module):
             stages.append(stage)
             size = stage.out_size
         self.layers = nn.Sequential(*stages)
+        # what each stage hands a dense head (timm's feature_info: features_only, forward_intermediates)
+        self.feature_info = [dict(num_chs=dims[i], reduction=self.patch_size[0] * 2 ** i, module=f"layers.{i}")
+                             for i in range(self.num_layers)]
         self.norm = nn.LayerNorm(self.num_features)
         self.head = ClassifierHead(self.num_features, num_classes, pool_type="avg", drop_rate=drop_rate,
                                    input_fmt="NHWC")
@@ -482,11 +485,70 @@ class SwinTransformer(nn.Module):
     def get_classifier(self) -> nn.Module:
         return self.head.fc
 
-    def reset_classifier(self, num_classes: int) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A new classifier for num_classes (0: none, the pooled features); global_pool: timm's pool type ('' for
+        none), None keeps it."""
         self.num_classes = num_classes
-        self.head.reset(num_classes)
+        self.head.reset(num_classes, pool_type=global_pool)
         if isinstance(self.head.fc, nn.Linear):
             _init_weights(self.head.fc)
+
+    # --- backbone (timm's API: features_only models, forward_intermediates) -------------------
+    def take_indices(self, indices: int | Sequence[int] | None, what: str = "indices") -> tuple[list[int], int]:
+        """(stage indices, the largest) for ``indices``: None all stages, an int the last n, a sequence those
+        stages (negative from the end). ValueError naming the range for an index out of it."""
+        n = len(self.layers)
+        if indices is None:
+            indices = n
+        if isinstance(indices, int):
+            if not 0 < indices <= n:
+                raise ValueError(f"{what}={indices}: an int takes the last n stages, 1 to {n} for this model")
+            take = list(range(n - indices, n))
+        else:
+            take = [i + n if i < 0 else i for i in indices]
+            if not take or any(not 0 <= i < n for i in take):
+                raise ValueError(f"{what}={tuple(indices)}: this model has {n} stages, indices 0 to {n - 1} (or "
+                                 f"-{n} to -1)")
+        return take, max(take)
+
+    def forward_intermediates(self, x: torch.Tensor, indices: int | Sequence[int] | None = None, norm: bool = False,
+                              stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False
+                              ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
+        """The stage outputs ``indices`` selects (take_indices) as (B, C, H, W) maps, as timm's: with ``norm`` the
+        last stage's map goes through the final norm; ``stop_early`` skips the stages after the last one taken;
+        returns the maps, or (final features (B, H, W, C), maps) unless ``intermediates_only``."""
+        if output_fmt != "NCHW":
+            raise ValueError(f"output_fmt={output_fmt!r}: the intermediates are NCHW maps (output_fmt='NCHW')")
+        take, last = self.take_indices(indices)
+        if not torch.compiler.is_compiling():
+            self._check_input(x)
+        x = self.patch_embed(x)
+        stages = self.layers[:last + 1] if stop_early else self.layers
+        intermediates, i = [], 0
+        for i, stage in enumerate(stages):
+            x = stage(x)
+            if i in take:
+                taken = self.norm(x) if norm and i == len(self.layers) - 1 else x
+                intermediates.append(taken.permute(0, 3, 1, 2).contiguous())
+        if intermediates_only:
+            return intermediates
+        return (self.norm(x) if i == len(self.layers) - 1 else x), intermediates
+
+    def prune_intermediate_layers(self, indices: int | Sequence[int] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> list[int]:
+        """Drops the stages after the last one ``indices`` takes (and then the final norm, which fits the last
+        stage only), the norm where ``prune_norm``, the classifier where ``prune_head``; returns the indices."""
+        take, last = self.take_indices(indices)
+        prune_end = last < len(self.layers) - 1
+        if prune_norm or prune_end:
+            self.norm = nn.Identity()
+        self.layers = self.layers[:last + 1]
+        self.feature_info = self.feature_info[:last + 1]
+        if prune_end:
+            self.num_features = self.feature_info[last]["num_chs"]
+        if prune_head or prune_end:
+            self.reset_classifier(0, "")
+        return take
 
     # --- forward ------------------------------------------------------------------------------
     def _check_input(self, x: torch.Tensor) -> None:

@@ -1,0 +1,166 @@
+"""Swin as a backbone, against timm's own: features_only models (state dicts, NHWC maps, feature_info),
+forward_intermediates and prune_intermediate_layers, on non-square inputs with padded windows, V1 and V2, every
+backend (flash_window through the Triton interpreter); and a dense head trained over the maps."""
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import swin
+
+# small Swin-T-shaped models: 4 stages, padded windows at every stage, the last stage smaller than its window
+V1 = ("swin_tiny_patch4_window7_224", dict(embed_dim=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4)))
+V2 = ("swinv2_tiny_window8_256", dict(embed_dim=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4)))
+SIZES = [((96, 160), 7), ((72, 104), 5), ((128, 64), 6)]
+
+
+def _pair(version, img_size, window, features_only=False, out_indices=None, attention="sdpa"):
+    """timm's model and ours with timm's (perturbed) weights, both in eval mode."""
+    name, arch = version
+    kw = dict(arch, img_size=img_size, window_size=window)
+    extra = dict(features_only=True, out_indices=out_indices) if features_only else {}
+    ref = timm.create_model(name, **kw, **extra).eval()
+    with torch.no_grad():  # V2 starts with zero post-norms: make every block do something
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ours = swin.create_model(name, attention=attention, **kw, **extra).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    return ref, ours
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-5) -> None:
+    assert ours.shape == ref.shape
+    err = float((ours - ref).abs().max() / ref.abs().max())
+    assert err < rtol, err
+
+
+@pytest.mark.parametrize("version", [V1, V2], ids=["v1", "v2"])
+@pytest.mark.parametrize("img_size, window", SIZES)
+@pytest.mark.parametrize("out_indices", [(0, 1, 2, 3), (1, 3), (-1,)])
+def test_features_only_is_timms(version, img_size, window, out_indices):
+    ref, ours = _pair(version, img_size, window, features_only=True, out_indices=out_indices)
+    assert sorted(ours.state_dict()) == sorted(ref.state_dict())
+    ref.load_state_dict(ours.state_dict(), strict=True)  # and the reverse
+    assert ours.feature_info.channels() == ref.feature_info.channels()
+    assert ours.feature_info.reduction() == ref.feature_info.reduction()
+    x = torch.randn(2, 3, *img_size)
+    with torch.no_grad():
+        maps, expected = ours(x), ref(x)
+    assert len(maps) == len(out_indices)
+    for m, e in zip(maps, expected):
+        _close(m, e)
+
+
+@pytest.mark.parametrize("version", [V1, V2], ids=["v1", "v2"])
+@pytest.mark.parametrize("attention", ["standard", "flash_window"])
+def test_features_on_every_backend(version, attention):
+    img_size, window = SIZES[1]
+    ref, ours = _pair(version, img_size, window, features_only=True, attention=attention)
+    x = torch.randn(1, 3, *img_size)
+    with torch.no_grad():
+        for m, e in zip(ours(x), ref(x)):
+            _close(m, e, rtol=1e-4 if attention == "flash_window" else 1e-5)  # tf32x3 products in the kernel
+
+
+@pytest.mark.parametrize("version", [V1, V2], ids=["v1", "v2"])
+@pytest.mark.parametrize("kwargs", [
+    {}, {"indices": 2, "norm": True}, {"indices": [0, -1], "norm": True, "intermediates_only": True},
+    {"indices": [1], "stop_early": True}, {"indices": (0, 2), "stop_early": True, "norm": True}])
+def test_forward_intermediates_is_timms(version, kwargs):
+    img_size, window = SIZES[0]
+    ref, ours = _pair(version, img_size, window)
+    x = torch.randn(2, 3, *img_size)
+    with torch.no_grad():
+        got, expected = ours.forward_intermediates(x, **kwargs), ref.forward_intermediates(x, **kwargs)
+    if not kwargs.get("intermediates_only"):
+        _close(got[0], expected[0])
+        got, expected = got[1], expected[1]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        _close(g, e)
+
+
+@pytest.mark.parametrize("indices, prune_norm, prune_head", [(2, False, True), ([1], True, True), (4, False, False)])
+def test_prune_intermediate_layers_is_timms(indices, prune_norm, prune_head):
+    img_size, window = SIZES[0]
+    ref, ours = _pair(V1, img_size, window)
+    assert ours.prune_intermediate_layers(indices, prune_norm, prune_head) == \
+        ref.prune_intermediate_layers(indices, prune_norm, prune_head)
+    assert sorted(ours.state_dict()) == sorted(ref.state_dict())
+    assert ours.num_features == ref.num_features
+    x = torch.randn(2, 3, *img_size)
+    with torch.no_grad():
+        _close(ours(x), ref(x))  # the pooled features, or the logits where the head stays
+        for g, e in zip(ours.forward_intermediates(x, indices, intermediates_only=True),
+                        ref.forward_intermediates(x, indices, intermediates_only=True)):
+            _close(g, e)
+
+
+def test_classification_checkpoint_loads_into_a_features_model(tmp_path):
+    """model.pretrained of a classifier: the features model drops norm and head, as timm's does."""
+    name, arch = V1
+    full = swin.create_model(name, img_size=(96, 160), num_classes=5, **arch).eval()
+    torch.save(full.state_dict(), tmp_path / "classifier.pth")
+    features = swin.create_model(name, pretrained=str(tmp_path / "classifier.pth"), img_size=(96, 160),
+                                 num_classes=5, features_only=True, out_indices=(1, 2), **arch).eval()
+    x = torch.randn(1, 3, 96, 160)
+    with torch.no_grad():
+        for m, e in zip(features(x), full.forward_intermediates(x, [1, 2], intermediates_only=True)):
+            assert torch.equal(m, e.permute(0, 2, 3, 1))
+
+
+def test_bad_indices_and_sizes_are_one_line():
+    name, arch = V1
+    with pytest.raises(ValueError, match=r"^out_indices=\(4,\): this model has 4 stages, indices 0 to 3"):
+        swin.create_model(name, features_only=True, out_indices=(4,), **arch)
+    model = swin.create_model(name, img_size=(96, 160), **arch)
+    with pytest.raises(ValueError, match=r"^indices=5: an int takes the last n stages, 1 to 4"):
+        model.forward_intermediates(torch.randn(1, 3, 96, 160), indices=5)
+    features = swin.create_model(name, features_only=True, dynamic_img_size=True, **arch)
+    with pytest.raises(ValueError, match=r"image size \(98, 160\) is not a multiple of the patch size \(4, 4\)"):
+        features(torch.randn(1, 3, 98, 160))
+    with pytest.raises(ValueError, match="pass features_only=True"):
+        swin.create_model(name, out_indices=(1,), **arch)
+
+
+def test_a_dense_head_trains_over_the_backbone():
+    """torchvision's FeaturePyramidNetwork over forward_intermediates' maps and a 1x1 classifier, trained a few
+    steps on a segmentation task (pixels inside a random bright square): the loss falls."""
+    from torchvision.ops import FeaturePyramidNetwork
+
+    torch.manual_seed(int(torch.randint(0, 10_000, (1,))))
+    name, arch = V1
+    backbone = swin.create_model(name, img_size=(64, 96), window_size=4, **arch)
+    fpn = FeaturePyramidNetwork(backbone.feature_info and [f["num_chs"] for f in backbone.feature_info], 16)
+    classify = nn.Conv2d(16, 2, 1)
+    params = [*backbone.parameters(), *fpn.parameters(), *classify.parameters()]
+    opt = torch.optim.AdamW(params, lr=2e-3)
+
+    def batch(n=8):
+        x, y = torch.randn(n, 3, 64, 96) * 0.1, torch.zeros(n, 64, 96, dtype=torch.long)
+        for i in range(n):
+            t, left = torch.randint(0, 32, (1,)).item(), torch.randint(0, 64, (1,)).item()
+            x[i, :, t:t + 32, left:left + 32] += 1.0
+            y[i, t:t + 32, left:left + 32] = 1
+        return x, y
+
+    def loss_of(x, y):
+        maps = backbone.forward_intermediates(x, intermediates_only=True)
+        pyramid = fpn({str(i): m for i, m in enumerate(maps)})
+        logits = F.interpolate(classify(pyramid["0"]), size=y.shape[-2:], mode="bilinear", align_corners=False)
+        return F.cross_entropy(logits, y)
+
+    x_val, y_val = batch(16)
+    with torch.no_grad():
+        before = loss_of(x_val, y_val).item()
+    for _ in range(25):
+        loss = loss_of(*batch())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        after = loss_of(x_val, y_val).item()
+    assert after < 0.5 * before, (before, after)
