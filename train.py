@@ -18,12 +18,14 @@ import swin.config  # noqa: F401  (registers the config schemas before Hydra com
 # exit status of a run stopped by the cluster's signal (time limit, preemption) after saving last.pt
 EXIT_PREEMPTED = 3
 EXIT_INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
+EXIT_PROCESS_LOST = 4  # another process of a multi-process run died or hung; last.pt is intact
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     from swin.data.folder import CorruptImageError
     from swin.models.pretrained import CheckpointError
+    from swin.train.distributed import ProcessLost
     from swin.train.loop import ConfigError, NonFiniteLossError, train
     from swin.train.preemption import Interrupted, Preempted
 
@@ -45,6 +47,9 @@ def main(cfg: DictConfig) -> None:
     except CorruptImageError as e:  # raised in a loader worker, it comes back with the worker's traceback
         print(f"error: {CorruptImageError.message_of(e)}", file=sys.stderr)
         sys.exit(2)
+    except ProcessLost as e:  # another process of the run died or hangs: this one stops instead of waiting
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_PROCESS_LOST)
 
 
 if __name__ == "__main__":

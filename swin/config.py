@@ -175,6 +175,8 @@ class TrainConfig:
     resume: str | None = key("start from this checkpoint (full training state) unless the run dir has its own")
     auto_resume: bool = key("continue from <run dir>/checkpoints/last.pt when it exists")
     max_nonfinite: int = key("stop after this many non-finite losses or gradients in a row (each skips its update)")
+    dist_timeout_s: float = key("several processes: seconds a collective waits for the others before the run stops "
+                                "(a process that died or hangs)")
 
 
 @dataclass

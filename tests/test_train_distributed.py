@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -117,3 +118,44 @@ def test_submitit_job_signalled_mid_run_saves_requeues_and_finishes(tmp_path):
     assert [h["epoch"] for h in summary["history"]] == list(range(1, epochs + 1))
     assert summary["global_step"] == epochs * steps and summary["world_size"] == 2
     assert torch.load(run / "checkpoints/last.pt", weights_only=True)["epoch"] == epochs
+
+
+def _start_task(rank: int, port: int, args: list[str]) -> subprocess.Popen:
+    """train.py as one task of a 2-task SLURM step (srun starts each task; no torchrun agent watches them)."""
+    env = {**cli_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_job_with_one_line_and_the_rerun_resumes(tmp_path):
+    """kill -9 of rank 1 mid-run: rank 0 does not hang in a collective; it stops within a bounded time (gloo sees
+    the closed connection; a hung peer would hit train.dist_timeout_s) with one line, no traceback. Rerunning the
+    same command resumes both ranks from last.pt and finishes."""
+    args = [*ARGS, "train.epochs=12", "train.save_every_steps=2", "train.dist_timeout_s=60",
+            f"hydra.run.dir={tmp_path}"]
+    port = free_port()
+    tasks = [_start_task(rank, port, args) for rank in (0, 1)]
+    try:
+        deadline = time.time() + 180
+        while not (tmp_path / "checkpoints" / "last.pt").exists():
+            assert time.time() < deadline and all(t.poll() is None for t in tasks), "no last.pt before the kill"
+            time.sleep(0.2)
+        os.kill(tasks[1].pid, signal.SIGKILL)
+        killed = time.time()
+        _, err = tasks[0].communicate(timeout=150)
+        assert time.time() - killed < 90, "rank 0 took longer than the collective timeout to stop"
+    finally:
+        for t in tasks:
+            if t.poll() is None:
+                os.killpg(t.pid, signal.SIGKILL)
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("[W")]
+    assert tasks[0].returncode not in (0, None) and "Traceback" not in err, err[-3000:]
+    assert lines[-1].startswith("error: ") and "rerun the same command" in lines[-1], err[-3000:]
+    port = free_port()
+    tasks = [_start_task(rank, port, args) for rank in (0, 1)]
+    outs = [t.communicate(timeout=300) for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], outs[0][1][-3000:]
+    log = (tmp_path / "train.log").read_text()
+    assert "resumed from" in log and json.loads((tmp_path / "summary.json").read_text())["epochs"] == 12

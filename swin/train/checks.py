@@ -39,7 +39,8 @@ def _size(key: str, value: Any) -> tuple[int, int]:
 
 AT_LEAST = {  # key: lowest accepted value (null is accepted where the schema allows it)
     "train.epochs": 1, "train.batch_size": 1, "train.accum_steps": 1, "train.eval_batch_size": 1,
-    "train.lr_base_size": 1, "train.eval_every": 1, "train.max_nonfinite": 1, "logger.log_every_steps": 1,
+    "train.lr_base_size": 1, "train.eval_every": 1, "train.max_nonfinite": 1, "train.dist_timeout_s": 1,
+    "logger.log_every_steps": 1,
     "data.train_limit": 1, "data.val_limit": 1, "train.warmup_epochs": 0, "train.save_every_epochs": 0,
     "train.save_every_steps": 0, "train.lr": 0, "train.min_lr": 0, "train.warmup_lr": 0, "train.weight_decay": 0,
     "train.mixup": 0, "train.cutmix": 0, "data.num_workers": 0,

@@ -9,8 +9,11 @@ from __future__ import annotations
 import io
 import os
 import random
+import re
 import subprocess
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -107,10 +110,11 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def init_distributed(device_name: str = "auto") -> DistInfo:
+def init_distributed(device_name: str = "auto", timeout_s: float | None = None) -> DistInfo:
     """Join the process group that torchrun describes (RANK/WORLD_SIZE/MASTER_ADDR...), if any.
 
-    nccl on GPUs, gloo on the CPU; each process takes the GPU of its LOCAL_RANK.
+    nccl on GPUs, gloo on the CPU; each process takes the GPU of its LOCAL_RANK. timeout_s: how long a collective
+    waits for the other processes before it fails (None: torch's default).
     """
     device = pick_device(device_name)
     world_size = env_world_size()
@@ -123,8 +127,34 @@ def init_distributed(device_name: str = "auto") -> DistInfo:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                **({"device_id": device} if device.type == "cuda" else {}))
+                                **({"device_id": device} if device.type == "cuda" else {}),
+                                **({"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}))
     return DistInfo(rank, local_rank, world_size, device)
+
+
+class ProcessLost(RuntimeError):
+    """A collective failed because another process of the run died or hangs (train.dist_timeout_s)."""
+
+
+# what gloo's and NCCL's errors say when a peer is gone or a collective timed out
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout",
+              "nccl", "gloo", "processgroup")
+
+
+def lost_process(e: BaseException, info: DistInfo, last_checkpoint: Path) -> ProcessLost | None:
+    """The one-line error of a collective that failed in a run of several processes, or None when ``e`` is
+    something else (a real bug keeps its traceback)."""
+    if not info.enabled:
+        return None
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if not (isinstance(e, dist.DistError) or (isinstance(e, RuntimeError)
+                                              and any(m in text.lower() for m in _LOST_PEER))):
+        return None
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0]  # without gloo's source location
+    resume = f"from {last_checkpoint}" if last_checkpoint.is_file() else "(no checkpoint yet: from the start)"
+    return ProcessLost(f"rank {info.rank} of {info.world_size}: a collective with the other processes failed "
+                       f"({reason}): a process of this run died or hangs, so the run stops; rerun the same command "
+                       f"to resume {resume}")
 
 
 def cleanup() -> None:

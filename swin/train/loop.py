@@ -39,6 +39,7 @@ from swin.train.distributed import (
     env_world_size,
     export_job_environment,
     init_distributed,
+    lost_process,
     pick_device,
 )
 from swin.train.guard import NonFiniteLossError
@@ -62,7 +63,7 @@ def train(cfg: DictConfig | TrainAppConfig, run_dir: str | Path) -> dict[str, An
         raise ConfigError(str(e)) from None
     export_job_environment()  # a submitit / srun job of several tasks: torchrun's variables from the job
     cfg = check_config(cfg, env_world_size(), device)  # from here on, typed settings (swin.config)
-    dist = init_distributed(cfg.device)
+    dist = init_distributed(cfg.device, cfg.train.dist_timeout_s)
     # every rank uses rank 0's run directory (timestamps in hydra.run.dir may differ between ranks)
     run_dir = Path(broadcast_object(str(Path(run_dir).resolve())))
     if dist.is_main:
@@ -80,6 +81,12 @@ def train(cfg: DictConfig | TrainAppConfig, run_dir: str | Path) -> dict[str, An
     except Interrupted as e:
         log.warning(str(e))
         raise
+    except Exception as e:
+        lost = lost_process(e, dist, run_dir / "checkpoints" / "last.pt")
+        if lost is None:
+            raise
+        log.error(str(lost))
+        raise lost from None
     finally:
         preemption.uninstall()
         detach_logging(handlers)
