@@ -31,6 +31,10 @@ def test_cli_trains_digits_and_writes_run_dir(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["epochs"] == 12 and summary["images_per_sec"] > 0
+    # the steady state: the second half of the last epoch (22 updates: after the 11th), in the log and the summary
+    steady = summary["images_per_sec_steady"]
+    assert steady > 0 and summary["history"][-1]["images_per_sec_steady"] == steady
+    assert f"({steady:.0f} in its second half)" in (run / "train.log").read_text().splitlines()[-2]
     assert summary["final_top1"] >= 60.0, summary["history"]  # chance is 10%; the full default run reaches ~97%
     assert summary["best_top1"] >= summary["final_top1"]
     for name in ("last.pt", "best.pt"):

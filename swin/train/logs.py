@@ -57,7 +57,9 @@ def write_summary(run: Run, train_time: float) -> dict[str, Any]:
         "best_top1": run.best_top1 if run.best_top1 >= 0 else None,
         "best_epoch": run.best_epoch if run.best_epoch > 0 else None,
         "final_top1": last.get("top1"), "final_top5": last.get("top5"), "final_train_loss": last.get("train_loss"),
-        "images_per_sec": rates[-1] if rates else None,  # last epoch: steady state
+        "images_per_sec": rates[-1] if rates else None,  # last epoch's, after its first update
+        # the last epoch's second half: past the ramp that follows compilation (scaling measurements)
+        "images_per_sec_steady": last.get("images_per_sec_steady"),
         "images_per_sec_mean": _mean(rates),
         # time blocked in next(loader) / wall time (rank 0, last epoch): near 0 when the model is the limit
         "data_wait_fraction": last.get("data_wait_fraction"),
@@ -73,6 +75,7 @@ def write_summary(run: Run, train_time: float) -> dict[str, Any]:
         wait = summary["data_wait_fraction"]
         log.info(f"done: best top1 {_pct(summary['best_top1'])}, final top1 {_pct(summary['final_top1'])}, "
                  f"{summary['images_per_sec'] or 0:.0f} img/s"
+                 + (f" ({steady:.0f} steady)" if (steady := summary["images_per_sec_steady"]) else "")
                  + (f", {wait:.1%} waiting for data" if wait is not None else "")
                  + f"; {run.run_dir / 'summary.json'}")
         if run.wandb_run is not None:

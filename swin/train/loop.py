@@ -123,6 +123,8 @@ class EpochClock:
     t_last: float | None = None  # last sync point
     images: int = 0  # images of the timed updates, all processes
     data_wait: float = 0.0  # seconds blocked in next(loader) during the timed updates (this process)
+    half_step: int | None = None  # the step whose sync point starts the epoch's second half (half_step())
+    half: tuple[float, int] | None = None  # (time, images) at that sync point
 
     def next_batch(self, batches: Iterator) -> Any:
         t0 = time.perf_counter()
@@ -149,6 +151,18 @@ class EpochClock:
         span = (now or self.t_last or 0.0) - (self.t_first or 0.0)
         return self.images / span if self.images and span > 0 else 0.0
 
+    def mark_half(self) -> None:
+        """The sync point in the middle of the epoch: the second half's rate is the steady state, after the ramp
+        that follows compilation (CUDA graphs recorded, autotuning, allocator warm-up)."""
+        self.mark()
+        self.half = (self.t_last or 0.0, self.images)
+
+    def steady_images_per_sec(self) -> float | None:
+        """Images/s of the epoch's second half (None without a middle sync point)."""
+        if self.half is None or self.t_last is None or self.t_last <= self.half[0]:
+            return None
+        return (self.images - self.half[1]) / (self.t_last - self.half[0])
+
     def data_wait_fraction(self) -> float | None:
         span = (self.t_last or 0.0) - (self.t_first or 0.0)
         return min(1.0, self.data_wait / span) if span > 0 else None
@@ -174,7 +188,10 @@ def sync_and_log(run: Run, reads: _Reads, clock: EpochClock, epoch: int, step: i
     (finite loss sum, finite updates) so far."""
     t = run.cfg.train
     counts = run.stats.read()  # the sync
-    clock.mark()
+    if step == clock.half_step:
+        clock.mark_half()
+    else:
+        clock.mark()
     loss_sum, n = counts.loss_sum, counts.finite
     if counts.total > reads.nonfinite_total:
         log.warning(f"non-finite loss or gradients in {counts.total - reads.nonfinite_total} update(s) up to epoch "
@@ -225,6 +242,14 @@ def show_live(run: Run, reads: _Reads, clock: EpochClock, bar: tqdm) -> None:
           min(1.0, clock.data_wait / span) if span > 0 else None)
 
 
+def half_step(run: Run) -> int | None:
+    """The step in the middle of the epoch's timed updates (after its first), where the clock marks the start
+    of the steady-state half; None for epochs too short to have one."""
+    first = run.step_in_epoch
+    timed = run.steps_per_epoch - first - 1
+    return first + 1 + (timed - 1) // 2 if timed >= 4 else None
+
+
 def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
     """The updates of one epoch (from run.step_in_epoch on); returns the epoch's training record.
 
@@ -239,12 +264,12 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
     run.train_loader.set_epoch(epoch, start_batch=run.step_in_epoch * t.accum_steps)
     run.model.train()
     run.stats.new_epoch()
-    reads, clock = _Reads(nonfinite_total=run.nonfinite_total), EpochClock()
+    reads, clock = _Reads(nonfinite_total=run.nonfinite_total), EpochClock(half_step=half_step(run))
     bar = tqdm(total=run.steps_per_epoch, initial=run.step_in_epoch, desc=f"epoch {epoch + 1}/{t.epochs}",
                disable=not (run.dist.is_main and run.cfg.logger.progress), dynamic_ncols=True, leave=False)
     batches = iter(run.train_loader)
     cpu_decoded_before = run.train_loader.cpu_decoded  # data.decode=gpu: files nvJPEG cannot decode
-    first, epoch_skipped, epoch_loss = run.step_in_epoch, 0, (0.0, 0)
+    first, half, epoch_skipped, epoch_loss = run.step_in_epoch, clock.half_step, 0, (0.0, 0)
     started = time.perf_counter()
     for step in range(run.step_in_epoch, run.steps_per_epoch):
         try:
@@ -259,7 +284,7 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
         run.scheduler.step_update(num_updates=run.global_step)
         save_now = bool(t.save_every_steps) and run.global_step % t.save_every_steps == 0
         save_now = save_now and step + 1 < run.steps_per_epoch  # the epoch end saves anyway
-        if (step == first or step + 1 == run.steps_per_epoch or save_now
+        if (step in (first, half) or step + 1 == run.steps_per_epoch or save_now
                 or run.global_step % run.cfg.logger.log_every_steps == 0):
             epoch_loss = sync_and_log(run, reads, clock, epoch, step, bar)
             if step == first and run.compile_mode and not run.compiled:
@@ -287,6 +312,7 @@ def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
     wait = clock.data_wait_fraction()
     return {"epoch": epoch + 1, "train_loss": epoch_loss[0] / max(epoch_loss[1], 1),
             "lr": run.optimizer.param_groups[0]["lr"], "images_per_sec": clock.images_per_sec(),
+            "images_per_sec_steady": clock.steady_images_per_sec(),
             "data_wait_fraction": wait, "skipped_images": epoch_skipped, "cpu_decoded_images": cpu_decoded}
 
 
@@ -336,6 +362,7 @@ def finish_epoch(run: Run, record: dict[str, Any]) -> None:
     log.info(f"epoch {epoch}/{t.epochs}: train loss {record['train_loss']:.4f}"
              + (f", val top1 {record['top1']:.2f}% top5 {record['top5']:.2f}%" if "top1" in record else "")
              + f", {record['images_per_sec']:.0f} img/s"
+             + (f" ({steady:.0f} in its second half)" if (steady := record.get("images_per_sec_steady")) else "")
              + (f", {wait:.1%} of the time waiting for data" if wait is not None else "")
              + (f", {record['skipped_images']} unreadable images skipped" if record["skipped_images"] else "")
              + (f", {record['cpu_decoded_images']} images decoded on the CPU (nvJPEG cannot decode them: CMYK, "
