@@ -406,3 +406,21 @@ def test_bench_data_cpu(tmp_path):
     assert "| loader only, data.decode=cpu data.augment=gpu (workers decode, a thread augments), num_workers=1 |" in md
 
 
+
+
+@pytest.mark.slow
+def test_bench_scaling_cpu(tmp_path):
+    """scripts/bench_scaling.py with 1 and 2 gloo processes: train.py's setup and step under torchrun, per-process
+    batch, img/s of all processes and the factor over one process in the table."""
+    out = tmp_path / "scaling"
+    stdout = run_script([str(ROOT / "scripts/bench_scaling.py"), "--procs", "1", "2", "--warmup", "1", "--steps", "3",
+                         "--out", str(out), "--", "model=swin_micro", "train.batch_size=4", "device=cpu"],
+                        cwd=tmp_path, timeout=300)
+    rows = json.loads((out / "scaling.json").read_text())["rows"]
+    assert [r["procs"] for r in rows] == [1, 2] and all(r["batch_per_process"] == 4 for r in rows)
+    assert all(positive(r["img_s"]) and positive(r["step_ms"]) for r in rows)
+    # 2 processes of 4 images each: 8 images per update
+    assert rows[1]["img_s"] == pytest.approx(8 * 3 / (rows[1]["step_ms"] * 3 / 1e3), rel=1e-6)
+    factor = rows[1]["img_s"] / rows[0]["img_s"]
+    assert f"| 2 | 4 | {rows[1]['img_s']:,.0f} | {factor:.2f}x |" in stdout
+    assert (out / "scaling.md").read_text().strip() == stdout.strip().split("\n", 2)[-1].strip()
