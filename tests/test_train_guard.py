@@ -137,9 +137,10 @@ def test_nan_gradients_in_a_run_are_skipped_counted_and_logged(tmp_path, monkeyp
     summary = train_inprocess(tmp_path, *DET)
     assert summary["nonfinite_steps"] == 2 and summary["epochs"] == 2
     assert all(torch.isfinite(v).all() for v in model_weights(tmp_path / "checkpoints/last.pt").values())
-    # read at check points (here: an epoch's first and last update): update 3 is reported at step 6
+    # read at sync points (here: an epoch's first update, its middle (the 4th of 6) and its last): update 3 is
+    # reported at step 4
     text = (tmp_path / "train.log").read_text()
-    assert "non-finite loss or gradients in 1 update(s) up to epoch 1 step 6: skipped, weights unchanged (0 in a " \
+    assert "non-finite loss or gradients in 1 update(s) up to epoch 1 step 4: skipped, weights unchanged (0 in a " \
            "row now, longest 1 since the last check, 1 in total)" in text
     assert "in 1 update(s) up to epoch 2 step 1: skipped, weights unchanged (1 in a row now, longest 1 since the " \
            "last check, 2 in total)" in text

@@ -253,8 +253,8 @@ def half_step(run: Run) -> int | None:
 def train_one_epoch(run: Run, epoch: int) -> dict[str, Any]:
     """The updates of one epoch (from run.step_in_epoch on); returns the epoch's training record.
 
-    The device is synchronised only at sync points: after the epoch's first update, at log lines (every
-    logger.log_every_steps updates), before mid-epoch checkpoints and at the end; each sync idles the GPU while
+    The device is synchronised only at sync points: after the epoch's first update, in its middle, at log lines
+    (every logger.log_every_steps updates), before mid-epoch checkpoints and at the end; each sync idles the GPU while
     the host queues the next update. The device keeps the longest run of non-finite updates since the last
     read, so a run with train.max_nonfinite of them in a row stops at the next sync point; the skipped updates
     never change the weights.
