@@ -21,6 +21,10 @@
 #                                       # train.py with each and on synthetic data, eval.py top-1 with each decode path;
 #                                       # table in $OUT/data/bench_data.md (DATA_ARGS: more overrides, e.g.
 #                                       # "loader.cpu_workers=[16] loader.gpu_workers=[8]")
+#   SCALING_PROCS="1 2" bash tools/gpu_session.sh scaling  # scripts/bench_scaling.py: train.py's step under torchrun
+#                                       # per process count, CUDA graphs and default compile (SCALING_MODEL, default
+#                                       # swin_tiny_patch4_window7_224; SCALING_BATCH per process, default 128;
+#                                       # SCALING_ARGS: more overrides); tables in $OUT/scaling_*.md
 #   MPS=1 bash tools/gpu_session.sh train-side  # train.py on data=synthetic, then on a generated folder with
 #                                       # data.decode=gpu; last epoch's img/s of each in $OUT/train_side.md (SIDE_ROWS:
 #                                       # of synthetic gpu_host gpu_ring, the first two by default; SIDE_ARGS: overrides
@@ -31,9 +35,9 @@
 # Offline wheels: on a machine without a package index, put the missing wheels (e.g. hydra-core, omegaconf,
 # pytest-xdist, execnet) in .whl/ at the repository root (ignored by git); they are installed into /tmp/site first.
 set -uo pipefail
-STAGES="tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side"
+STAGES="tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side|scaling"
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side) ;;
+  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side|scaling) ;;
   *) echo "usage: bash tools/gpu_session.sh $STAGES" >&2
      exit 2 ;;
 esac
@@ -163,6 +167,13 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
       last=$(grep -h 'epoch 3/3' "$OUT/train_side/$row.log" | sed -n 's/.*, \([0-9]* img\/s\).*/\1/p')
       echo "| $row | ${last:-no last epoch (exit $rc), see train_side/$row.log} |" | tee -a "$OUT/train_side.md"
     done ;;
+  scaling)
+    for mode in reduce-overhead default; do
+      python scripts/bench_scaling.py --procs ${SCALING_PROCS:-1 2} --out "$OUT/scaling_$mode" -- \
+        model="${SCALING_MODEL:-swin_tiny_patch4_window7_224}" train.batch_size="${SCALING_BATCH:-128}" \
+        train.compile=true train.compile_mode=$mode ${SCALING_ARGS:-} 2>&1 | tee "$OUT/scaling_$mode.txt"
+      cp "$OUT/scaling_$mode/scaling.md" "$OUT/scaling_$mode.md" 2>/dev/null
+    done; true ;;
   data)
     # the pipeline's GPU tests, then the batched crop kernel on CUDA (its CPU tests run it in the interpreter)
     python -m pytest -q -m gpu --durations=5 tests/test_gpu_data.py tests/test_data.py tests/test_batch_ring.py 2>&1 \
