@@ -99,6 +99,32 @@ def test_prune_intermediate_layers_is_timms(indices, prune_norm, prune_head):
             _close(g, e)
 
 
+@pytest.mark.parametrize("version", [V1, V2], ids=["v1", "v2"])
+@pytest.mark.parametrize("kwargs", [
+    {"img_size": (128, 96)},                                  # windows scaled with the patch grid
+    {"img_size": (96, 160), "window_size": 5},                # one window for every stage
+    {"window_ratio": 4},                                      # windows a quarter of the grid
+    {"img_size": (64, 64), "window_size": [4, 4, 2, 2]},      # one per stage
+])
+def test_set_input_size_is_timms(version, kwargs):
+    """set_input_size on both models: same resized bias tables, same maps and outputs at the new size."""
+    ref, ours = _pair(version, (96, 160), 7)
+    ref.set_input_size(**kwargs)
+    ours.set_input_size(**kwargs)
+    resized = ours.state_dict()
+    assert sorted(resized) == sorted(ref.state_dict())
+    for name, tensor in ref.state_dict().items():  # v1's bias tables resized as timm resizes them
+        torch.testing.assert_close(resized[name], tensor, rtol=0, atol=0, msg=name)
+    x = torch.randn(2, 3, *ours.img_size)
+    with torch.no_grad():
+        _close(ours(x), ref(x))
+        for g, e in zip(ours.forward_intermediates(x, intermediates_only=True),
+                        ref.forward_intermediates(x, intermediates_only=True)):
+            _close(g, e)
+    with pytest.raises(ValueError, match="always_partition=True is not supported"):
+        ours.set_input_size(always_partition=True)
+
+
 def test_classification_checkpoint_loads_into_a_features_model(tmp_path):
     """model.pretrained of a classifier: the features model drops norm and head, as timm's does."""
     name, arch = V1

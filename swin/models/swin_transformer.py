@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import ClassifierHead, DropPath, Mlp, PatchEmbed, to_2tuple, trunc_normal_
+from timm.layers import ClassifierHead, DropPath, Mlp, PatchEmbed, resize_rel_pos_bias_table, to_2tuple, trunc_normal_
+from timm.models.swin_transformer import calc_stage_window_sizes, resolve_window_args
 from torch.utils.checkpoint import checkpoint
 
 from kernels.merge_norm import merge_norm
@@ -120,6 +121,19 @@ class WindowAttention(WindowAttentionBase):
         trunc_normal_(self.relative_position_bias_table, std=0.02)
         self.set_attention(attention)
 
+    def set_window_size(self, window_size: tuple[int, int]) -> None:
+        """Another window: the bias table resized as timm resizes it (timm.layers.resize_rel_pos_bias_table)."""
+        if window_size == self.window_size:
+            return
+        (wh, ww), table = window_size, self.relative_position_bias_table
+        with torch.no_grad():
+            resized = resize_rel_pos_bias_table(table, new_window_size=window_size, old_window_size=self.window_size,
+                                                new_bias_shape=((2 * wh - 1) * (2 * ww - 1), self.num_heads))
+        self.relative_position_bias_table = nn.Parameter(resized, requires_grad=table.requires_grad)
+        self.register_buffer("relative_position_index", relative_position_index(window_size, table.device),
+                             persistent=False)
+        self.window_size = window_size
+
     def backend_inputs(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None
                        ) -> tuple[torch.Tensor, WindowAttentionArgs]:
         b, h, w, c = x.shape
@@ -161,6 +175,17 @@ class CosineWindowAttention(WindowAttentionBase):
         self.register_buffer("relative_position_index", relative_position_index(window_size), persistent=False)
         self.set_attention(attention)
 
+    def set_window_size(self, window_size: tuple[int, int]) -> None:
+        """Another window: new coordinates for the bias MLP (its weights fit any window)."""
+        if window_size == self.window_size:
+            return
+        device = self.relative_coords_table.device
+        self.register_buffer("relative_coords_table", log_spaced_relative_coords(
+            window_size, self.pretrained_window_size).to(device), persistent=False)
+        self.register_buffer("relative_position_index", relative_position_index(window_size, device),
+                             persistent=False)
+        self.window_size = window_size
+
     def bias_table(self) -> torch.Tensor:
         """((2Wh-1)(2Ww-1), heads) relative position bias, 16 sigmoid(MLP(coordinates)), gathered by the backends.
 
@@ -201,6 +226,7 @@ class SwinTransformerBlock(nn.Module):
         self.recompute_mlp_act = recompute_mlp_act
         self.fused_mlp_act = True  # SwinTransformer.set_fused_mlp_act
         self.post_norm = version == 2
+        self.shifts = shift  # every other block: by half a window, where the window is smaller than the map
         target_shift = tuple(w // 2 for w in window_size) if shift else (0, 0)
         # window and shift are fixed at construction from the nominal feature size (timm semantics)
         self.window_size, self.shift_size = clamp_window_and_shift(feat_size, window_size, target_shift)
@@ -216,6 +242,16 @@ class SwinTransformerBlock(nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         spec = self.spec_for(feat_size)
         self.register_buffer("attn_mask", shifted_window_mask(spec), persistent=False)
+
+    def set_input_size(self, feat_size: tuple[int, int], window_size: tuple[int, int]) -> None:
+        """Another nominal feature size and window (SwinTransformer.set_input_size): window and shift clamped as
+        at construction, the attention's position bias and the shifted-window mask made for them."""
+        self.feat_size = feat_size
+        target_shift = tuple(w // 2 for w in window_size) if self.shifts else (0, 0)
+        self.window_size, self.shift_size = clamp_window_and_shift(feat_size, window_size, target_shift)
+        self.attn.set_window_size(self.window_size)
+        device = self.norm1.weight.device
+        self.register_buffer("attn_mask", shifted_window_mask(self.spec_for(feat_size), device), persistent=False)
 
     def spec_for(self, feat_size: tuple[int, int]) -> WindowSpec:
         return WindowSpec(feat_size, self.window_size, self.shift_size)
@@ -331,6 +367,14 @@ class SwinTransformerStage(nn.Module):
                                  pretrained_window_size=pretrained_window_size)
             for i in range(depth)])
 
+    def set_input_size(self, in_size: tuple[int, int], window_size: tuple[int, int]) -> tuple[int, int]:
+        """Another input size and window for the stage's blocks; returns the stage's output size."""
+        self.out_size = tuple((s + 1) // 2 for s in in_size) if not isinstance(self.downsample, nn.Identity) \
+            else in_size
+        for block in self.blocks:
+            block.set_input_size(self.out_size, window_size)
+        return self.out_size
+
     def _merge(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         return self.downsample(x) if delta is None else self.downsample(x, delta)
 
@@ -426,6 +470,9 @@ class SwinTransformer(nn.Module):
             stages.append(stage)
             size = stage.out_size
         self.layers = nn.Sequential(*stages)
+        # the windows set_input_size scales with the patch grid (timm's reference windows and grid)
+        self._ref_window_sizes = (self.window_size,) * self.num_layers
+        self._ref_grid_size = tuple(self.patch_embed.grid_size)
         # what each stage hands a dense head (timm's feature_info: features_only, forward_intermediates)
         self.feature_info = [dict(num_chs=dims[i], reduction=self.patch_size[0] * 2 ** i, module=f"layers.{i}")
                              for i in range(self.num_layers)]
@@ -492,6 +539,34 @@ class SwinTransformer(nn.Module):
         self.head.reset(num_classes, pool_type=global_pool)
         if isinstance(self.head.fc, nn.Linear):
             _init_weights(self.head.fc)
+
+    def set_input_size(self, img_size: int | tuple[int, int] | None = None,
+                       patch_size: int | tuple[int, int] | None = None,
+                       window_size: int | tuple[int, int] | Sequence[int | tuple[int, int]] | None = None,
+                       window_ratio: int | Sequence[int] | None = None, always_partition: bool | None = None) -> None:
+        """Another input resolution (and patch size, windows), in place, with timm's semantics: windows given
+        (one for all stages or one per stage) or as a divisor of the patch grid (window_ratio), else each stage's
+        window scaled with the grid; bias tables resized, masks remade. always_partition=True (windows larger than
+        the feature map) is not supported."""
+        if always_partition:
+            raise ValueError("always_partition=True is not supported: windows are clamped to the feature map, as "
+                             "timm does by default")
+        window_size, window_ratio = resolve_window_args(window_size, window_ratio, len(self.layers))
+        if img_size is not None or patch_size is not None:
+            self.patch_embed.set_input_size(img_size=img_size, patch_size=patch_size)
+            self.img_size, self.patch_size = tuple(self.patch_embed.img_size), tuple(self.patch_embed.patch_size)
+        if patch_size is not None:
+            for i, info in enumerate(self.feature_info):
+                info["reduction"] = max(self.patch_size) * 2 ** i
+        grid = tuple(self.patch_embed.grid_size)
+        windows = calc_stage_window_sizes(grid, self._ref_window_sizes, self._ref_grid_size,
+                                          window_size=window_size, window_ratio=window_ratio)
+        if window_size is not None or window_ratio is not None:
+            self._ref_window_sizes, self._ref_grid_size = windows, grid
+        size = grid
+        for stage, window in zip(self.layers, windows):
+            size = stage.set_input_size(size, to_2tuple(window))
+        self.window_size = to_2tuple(windows[0])
 
     # --- backbone (timm's API: features_only models, forward_intermediates) -------------------
     def take_indices(self, indices: int | Sequence[int] | None, what: str = "indices") -> tuple[list[int], int]:
