@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import pytest
 import timm
+import timm.models.swin_transformer
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import swin
+
+# timm before 1.0.31 clamps and pads windows of non-square maps otherwise (its V2 does not pad at all) and keeps
+# num_features when pruning: the comparisons hold against timm >= 1.0.31
+needs_timm_1031 = pytest.mark.skipif(not hasattr(timm.models.swin_transformer, "calc_stage_window_sizes"),
+                                     reason="compares with timm >= 1.0.31's Swin")
 
 # small Swin-T-shaped models: 4 stages, padded windows at every stage, the last stage smaller than its window
 V1 = ("swin_tiny_patch4_window7_224", dict(embed_dim=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4)))
@@ -37,6 +43,7 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-5) -> None:
     assert err < rtol, err
 
 
+@needs_timm_1031
 @pytest.mark.parametrize("version", [V1, V2], ids=["v1", "v2"])
 @pytest.mark.parametrize("img_size, window", SIZES)
 @pytest.mark.parametrize("out_indices", [(0, 1, 2, 3), (1, 3), (-1,)])
@@ -54,6 +61,7 @@ def test_features_only_is_timms(version, img_size, window, out_indices):
         _close(m, e)
 
 
+@needs_timm_1031
 @pytest.mark.parametrize("version", [V1, V2], ids=["v1", "v2"])
 @pytest.mark.parametrize("attention", ["standard", "flash_window"])
 def test_features_on_every_backend(version, attention):
@@ -65,6 +73,7 @@ def test_features_on_every_backend(version, attention):
             _close(m, e, rtol=1e-4 if attention == "flash_window" else 1e-5)  # tf32x3 products in the kernel
 
 
+@needs_timm_1031
 @pytest.mark.parametrize("version", [V1, V2], ids=["v1", "v2"])
 @pytest.mark.parametrize("kwargs", [
     {}, {"indices": 2, "norm": True}, {"indices": [0, -1], "norm": True, "intermediates_only": True},
@@ -83,6 +92,7 @@ def test_forward_intermediates_is_timms(version, kwargs):
         _close(g, e)
 
 
+@needs_timm_1031
 @pytest.mark.parametrize("indices, prune_norm, prune_head", [(2, False, True), ([1], True, True), (4, False, False)])
 def test_prune_intermediate_layers_is_timms(indices, prune_norm, prune_head):
     img_size, window = SIZES[0]
@@ -99,6 +109,24 @@ def test_prune_intermediate_layers_is_timms(indices, prune_norm, prune_head):
             _close(g, e)
 
 
+def test_stage_windows_follow_timms_rules():
+    from swin.models.windows import stage_windows
+
+    ref = ((7, 7),) * 4
+    assert stage_windows(4, (96, 64), ref, (56, 56)) == ((12, 8),) * 4  # scaled with the grid
+    assert stage_windows(4, (96, 64), ref, (56, 56), window_ratio=8) == ((12, 8),) * 4
+    assert stage_windows(4, (96, 64), ref, (56, 56), window_ratio=[8, 8, 16, 32]) == ((12, 8),) * 2 + ((6, 4), (3, 2))
+    assert stage_windows(4, (96, 64), ref, (56, 56), window_size=5) == ((5, 5),) * 4
+    assert stage_windows(4, (96, 64), ref, (56, 56), window_size=(6, 4)) == ((6, 4),) * 4  # two ints: (h, w)
+    assert stage_windows(4, (96, 64), ref, (56, 56), window_size=[4, (4, 2), 2, 2]) == (
+        (4, 4), (4, 2), (2, 2), (2, 2))
+    with pytest.raises(ValueError, match="one per stage"):
+        stage_windows(4, (96, 64), ref, (56, 56), window_size=[4, 4, 2])
+    with pytest.raises(ValueError, match="window_ratio"):
+        stage_windows(4, (96, 64), ref, (56, 56), window_ratio=0)
+
+
+@needs_timm_1031  # set_input_size's rules are timm 1.0.31's
 @pytest.mark.parametrize("version", [V1, V2], ids=["v1", "v2"])
 @pytest.mark.parametrize("kwargs", [
     {"img_size": (128, 96)},                                  # windows scaled with the patch grid

@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import ClassifierHead, DropPath, Mlp, PatchEmbed, resize_rel_pos_bias_table, to_2tuple, trunc_normal_
-from timm.models.swin_transformer import calc_stage_window_sizes, resolve_window_args
 from torch.utils.checkpoint import checkpoint
 
 from kernels.merge_norm import merge_norm
@@ -28,6 +27,7 @@ from swin.models.windows import (
     log_spaced_relative_coords,
     relative_position_index,
     shifted_window_mask,
+    stage_windows,
 )
 
 VERSIONS = (1, 2)
@@ -544,14 +544,15 @@ class SwinTransformer(nn.Module):
                        patch_size: int | tuple[int, int] | None = None,
                        window_size: int | tuple[int, int] | Sequence[int | tuple[int, int]] | None = None,
                        window_ratio: int | Sequence[int] | None = None, always_partition: bool | None = None) -> None:
-        """Another input resolution (and patch size, windows), in place, with timm's semantics: windows given
-        (one for all stages or one per stage) or as a divisor of the patch grid (window_ratio), else each stage's
-        window scaled with the grid; bias tables resized, masks remade. always_partition=True (windows larger than
-        the feature map) is not supported."""
+        """Another input resolution (and patch size, windows), in place, with timm's (>= 1.0.31) semantics
+        (swin.models.windows.stage_windows): windows given (one for all stages or one per stage) or as a divisor of
+        the patch grid (window_ratio), else each stage's window scaled with the grid; bias tables resized, masks
+        remade. always_partition=True (windows larger than the feature map) is not supported."""
         if always_partition:
             raise ValueError("always_partition=True is not supported: windows are clamped to the feature map, as "
                              "timm does by default")
-        window_size, window_ratio = resolve_window_args(window_size, window_ratio, len(self.layers))
+        # a bad window spec fails here, before anything changes
+        stage_windows(len(self.layers), (1, 1), self._ref_window_sizes, (1, 1), window_size, window_ratio)
         if img_size is not None or patch_size is not None:
             self.patch_embed.set_input_size(img_size=img_size, patch_size=patch_size)
             self.img_size, self.patch_size = tuple(self.patch_embed.img_size), tuple(self.patch_embed.patch_size)
@@ -559,8 +560,8 @@ class SwinTransformer(nn.Module):
             for i, info in enumerate(self.feature_info):
                 info["reduction"] = max(self.patch_size) * 2 ** i
         grid = tuple(self.patch_embed.grid_size)
-        windows = calc_stage_window_sizes(grid, self._ref_window_sizes, self._ref_grid_size,
-                                          window_size=window_size, window_ratio=window_ratio)
+        windows = stage_windows(len(self.layers), grid, self._ref_window_sizes, self._ref_grid_size, window_size,
+                                window_ratio)
         if window_size is not None or window_ratio is not None:
             self._ref_window_sizes, self._ref_grid_size = windows, grid
         size = grid

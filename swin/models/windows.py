@@ -10,7 +10,9 @@ bias tables and the -100 mask values of pretrained checkpoints depend on them:
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,32 @@ class WindowSpec:
     @property
     def padded(self) -> bool:
         return self.padded_size != self.feat_size
+
+
+def stage_windows(stages: int, grid: tuple[int, int], ref_windows: Sequence[tuple[int, int]],
+                  ref_grid: tuple[int, int], window_size: Any = None, window_ratio: Any = None
+                  ) -> tuple[tuple[int, int], ...]:
+    """One (h, w) window per stage for a new patch grid, as timm (>= 1.0.31) resizes Swin: ``window_size`` an int
+    or (h, w) for every stage, or one per stage; else ``window_ratio`` (an int, or one per stage) divides the grid;
+    else each reference window scales with the grid (ref_windows were set for ref_grid). ValueError for a spec
+    that does not give one positive window per stage."""
+    if window_size is not None:
+        spec = window_size
+        if not isinstance(spec, (list, tuple)) or (len(spec) == 2 and not isinstance(spec[0], (list, tuple))):
+            spec = (spec,) * stages
+        windows = tuple((w, w) if isinstance(w, int) else tuple(w) for w in spec)
+    elif window_ratio is not None:
+        ratios = tuple(window_ratio) if isinstance(window_ratio, (list, tuple)) else (window_ratio,) * stages
+        if len(ratios) != stages or any(r <= 0 for r in ratios):
+            raise ValueError(f"window_ratio {window_ratio!r}: give one positive divisor, or one per stage ({stages})")
+        windows = tuple((max(1, grid[0] // r), max(1, grid[1] // r)) for r in ratios)
+    else:
+        windows = tuple((max(1, w[0] * grid[0] // ref_grid[0]), max(1, w[1] * grid[1] // ref_grid[1]))
+                        for w in ref_windows)
+    if len(windows) != stages or any(len(w) != 2 or min(w) <= 0 for w in windows):
+        raise ValueError(f"window_size {window_size!r}: give an int or (h, w) for every stage, or one per stage "
+                         f"({stages}), all positive")
+    return windows
 
 
 def clamp_window_and_shift(
