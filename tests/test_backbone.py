@@ -67,7 +67,10 @@ def test_features_only_is_timms(version, img_size, window, out_indices):
 def test_features_on_every_backend(version, attention):
     img_size, window = SIZES[1]
     ref, ours = _pair(version, img_size, window, features_only=True, attention=attention)
-    x = torch.randn(1, 3, *img_size)
+    # flash_window: on the GPU where there is one, else in the Triton interpreter (tests/conftest.py)
+    device = "cuda" if attention == "flash_window" and torch.cuda.is_available() else "cpu"
+    ref, ours = ref.to(device), ours.to(device)
+    x = torch.randn(1, 3, *img_size, device=device)
     with torch.no_grad():
         for m, e in zip(ours(x), ref(x)):
             _close(m, e, rtol=1e-4 if attention == "flash_window" else 1e-5)  # tf32x3 products in the kernel
