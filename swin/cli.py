@@ -1,9 +1,11 @@
-"""What train.py and eval.py share as command-line programs: ``--help`` built from the schema's descriptions
-(swin.config), with the values the given overrides compose to.
+"""What train.py and eval.py do before Hydra takes over (:func:`preflight`): ``--help`` built from the schema's
+descriptions (swin.config), with the values the given overrides compose to, and one line for overrides that do
+not compose.
 
 Hydra's own help page lists every key without a word on what it does, and config groups a user never picks
 (schema/, the benchmark grids); this one lists the groups a user chooses and every key with its value and its
-line from the schema. ``--hydra-help`` still shows Hydra's flags.
+line from the schema. ``--hydra-help`` still shows Hydra's flags. Hydra reports a misspelt key or option in
+several lines with the schema's internals; :func:`override_error` says it in one.
 """
 from __future__ import annotations
 
