@@ -163,8 +163,9 @@ class EpochClock:
             return None
         return (self.images - self.half[1]) / (self.t_last - self.half[0])
 
-    def data_wait_fraction(self) -> float | None:
-        span = (self.t_last or 0.0) - (self.t_first or 0.0)
+    def data_wait_fraction(self, now: float | None = None) -> float | None:
+        """Share of the timed updates' wall time spent waiting for data, up to the last sync point or `now`."""
+        span = (now or self.t_last or 0.0) - (self.t_first or 0.0)
         return min(1.0, self.data_wait / span) if span > 0 else None
 
 
@@ -209,9 +210,8 @@ def sync_and_log(run: Run, reads: _Reads, clock: EpochClock, epoch: int, step: i
     if run.global_step % run.cfg.logger.log_every_steps == 0:
         loss = _window_mean((loss_sum, n), reads.log)
         reads.log = (loss_sum, n)
-        log.info(f"epoch {epoch + 1} step {step + 1}/{run.steps_per_epoch} loss {loss:.4f} lr {cur_lr:.3e} "
-                 f"img/s {ips:.0f} data-wait {'-' if wait is None else f'{wait:.1%}'}" if ips else
-                 f"epoch {epoch + 1} step {step + 1}/{run.steps_per_epoch} loss {loss:.4f} lr {cur_lr:.3e}")
+        rates = f" img/s {ips:.0f} data-wait {'-' if wait is None else f'{wait:.1%}'}" if ips else ""
+        log.info(f"epoch {epoch + 1} step {step + 1}/{run.steps_per_epoch} loss {loss:.4f} lr {cur_lr:.3e}{rates}")
         if run.wandb_run is not None:
             record = {"train/loss": loss, "train/lr": cur_lr, "train/images_per_sec": ips}
             if wait is not None:
@@ -237,9 +237,8 @@ def show_live(run: Run, reads: _Reads, clock: EpochClock, bar: tqdm) -> None:
     if losses is None or losses[1] <= reads.bar[1]:
         losses = reads.bar  # nothing new has arrived: the same loss, fresh rates
     now = time.perf_counter()
-    span = now - (clock.t_first or now)
     _show(bar, reads, losses, run.optimizer.param_groups[0]["lr"], clock.images_per_sec(now),
-          min(1.0, clock.data_wait / span) if span > 0 else None)
+          clock.data_wait_fraction(now))
 
 
 def half_step(run: Run) -> int | None:
