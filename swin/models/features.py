@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from timm.models import FeatureListNet
 
-from swin.models.swin_transformer import SwinTransformer
+from swin.models.swin_transformer import SwinTransformer, check_images
 
 
 class SwinFeatures(FeatureListNet):
@@ -22,9 +22,10 @@ class SwinFeatures(FeatureListNet):
     def __init__(self, model: SwinTransformer, out_indices: Sequence[int]):
         take, _ = model.take_indices(list(out_indices), "out_indices")  # ValueError naming the range
         super().__init__(model, out_indices=take, flatten_sequential=True)
-        self._check_input = model._check_input  # shape checks only: reads img_size, patch_size, in_chans
+        # what the input checks read (not the model itself: that would keep its dropped norm and head alive)
+        self._input = (model.in_chans, model.img_size, model.patch_size, model.dynamic_img_size)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         if not torch.compiler.is_compiling():
-            self._check_input(x)
+            check_images(x, *self._input)
         return super().forward(x)

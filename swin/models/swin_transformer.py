@@ -74,6 +74,24 @@ def fc1_gelu_epilogue(x: torch.Tensor, fc1: nn.Linear, act: nn.Module) -> torch.
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def check_images(x: torch.Tensor, in_chans: int, img_size: tuple[int, int], patch_size: tuple[int, int],
+                 dynamic_img_size: bool) -> None:
+    """ValueError, naming the fix, unless x is a (B, in_chans, H, W) batch of img_size images (with
+    dynamic_img_size, of any multiple of patch_size)."""
+    if x.dim() != 4:
+        raise ValueError(f"expected an image batch (B, C, H, W), got a tensor of shape {tuple(x.shape)}")
+    if x.shape[1] != in_chans:
+        raise ValueError(f"expected {in_chans} input channels, got {x.shape[1]} "
+                         f"(input shape {tuple(x.shape)}); set in_chans or convert the images")
+    size = tuple(x.shape[-2:])
+    if dynamic_img_size:
+        if size[0] % patch_size[0] or size[1] % patch_size[1]:
+            raise ValueError(f"image size {size} is not a multiple of the patch size {patch_size}")
+    elif size != img_size:
+        raise ValueError(f"image size {size} does not match the model's img_size {img_size}; "
+                         f"create the model with img_size={size} (or dynamic_img_size=True)")
+
+
 class WindowAttentionBase(nn.Module, abc.ABC):
     """Multi-head self attention inside (shifted) windows through a switchable backend (swin.models.attention).
 
@@ -551,17 +569,18 @@ class SwinTransformer(nn.Module):
         if always_partition:
             raise ValueError("always_partition=True is not supported: windows are clamped to the feature map, as "
                              "timm does by default")
-        # a bad window spec fails here, before anything changes
-        stage_windows(len(self.layers), (1, 1), self._ref_window_sizes, (1, 1), window_size, window_ratio)
+        # the new patch grid (PatchEmbed's), so that a bad window spec fails before anything changes
+        new_img = to_2tuple(img_size) if img_size is not None else self.img_size
+        new_patch = to_2tuple(patch_size) if patch_size is not None else self.patch_size
+        grid = (new_img[0] // new_patch[0], new_img[1] // new_patch[1])
+        windows = stage_windows(len(self.layers), grid, self._ref_window_sizes, self._ref_grid_size, window_size,
+                                window_ratio)
         if img_size is not None or patch_size is not None:
             self.patch_embed.set_input_size(img_size=img_size, patch_size=patch_size)
             self.img_size, self.patch_size = tuple(self.patch_embed.img_size), tuple(self.patch_embed.patch_size)
         if patch_size is not None:
             for i, info in enumerate(self.feature_info):
                 info["reduction"] = max(self.patch_size) * 2 ** i
-        grid = tuple(self.patch_embed.grid_size)
-        windows = stage_windows(len(self.layers), grid, self._ref_window_sizes, self._ref_grid_size, window_size,
-                                window_ratio)
         if window_size is not None or window_ratio is not None:
             self._ref_window_sizes, self._ref_grid_size = windows, grid
         size = grid
@@ -628,18 +647,7 @@ class SwinTransformer(nn.Module):
 
     # --- forward ------------------------------------------------------------------------------
     def _check_input(self, x: torch.Tensor) -> None:
-        if x.dim() != 4:
-            raise ValueError(f"expected an image batch (B, C, H, W), got a tensor of shape {tuple(x.shape)}")
-        if x.shape[1] != self.in_chans:
-            raise ValueError(f"expected {self.in_chans} input channels, got {x.shape[1]} "
-                             f"(input shape {tuple(x.shape)}); set in_chans or convert the images")
-        size = tuple(x.shape[-2:])
-        if self.dynamic_img_size:
-            if size[0] % self.patch_size[0] or size[1] % self.patch_size[1]:
-                raise ValueError(f"image size {size} is not a multiple of the patch size {self.patch_size}")
-        elif size != self.img_size:
-            raise ValueError(f"image size {size} does not match the model's img_size {self.img_size}; "
-                             f"create the model with img_size={size} (or dynamic_img_size=True)")
+        check_images(x, self.in_chans, self.img_size, self.patch_size, self.dynamic_img_size)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():
