@@ -136,9 +136,10 @@ class ProcessLost(RuntimeError):
     """A collective failed because another process of the run died or hangs (train.dist_timeout_s)."""
 
 
-# what gloo's and NCCL's errors say when a peer is gone or a collective timed out
-_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout",
-              "nccl", "gloo", "processgroup")
+# what gloo's and NCCL's errors say when a peer is gone or a collective timed out (gloo's name its source file,
+# .../gloo/transport/...; NCCL's timeouts are DistBackendErrors). Not a bare "timed out": a loader's timeout is not
+# a lost process.
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "nccl", "gloo", "processgroup")
 
 
 def lost_process(e: BaseException, info: DistInfo, last_checkpoint: Path) -> ProcessLost | None:
