@@ -75,7 +75,8 @@ class DataConfig:
 
     name: str = key("dataset kind; the data= option sets it with the keys below")
     root: str | None = key("dataset folder (folder datasets: required)")
-    num_workers: int = key("loader worker processes per training process")
+    num_workers: int | None = key("loader worker processes per training process; null: this process's share of "
+                                  "the host's cores less one (at most 8 with decode=gpu)")
     train_limit: int | None = key("use only the first N training images (smoke runs); null: all")
     val_limit: int | None = key("use only the first N validation images; null: all")
 
@@ -163,7 +164,7 @@ class TrainConfig:
     amp: str = key("precision: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32")
     # auto | true | false (OmegaConf has no str-or-bool type; check_config checks it)
     compile: Any = key("torch.compile the model: auto (on CUDA, not on the CPU) | true | false")
-    compile_mode: str = key("auto (CUDA graphs on one GPU without accumulation, else default) | default | "
+    compile_mode: str = key("auto (CUDA graphs, also under DDP; default with accum_steps > 1) | default | "
                             "reduce-overhead | max-autotune | max-autotune-no-cudagraphs")
     grad_checkpointing: bool = key("recompute blocks in the backward: less memory, slower")
     ema: bool = key("keep an exponential moving average of the weights (evaluated, kept as best.pt)")
@@ -177,6 +178,8 @@ class TrainConfig:
     max_nonfinite: int = key("stop after this many non-finite losses or gradients in a row (each skips its update)")
     dist_timeout_s: float = key("several processes: seconds a collective waits for the others before the run stops "
                                 "(a process that died or hangs)")
+    ddp_bucket_mb: float = key("several processes: size of DDP's gradient all-reduce buckets (MiB); each is "
+                               "reduced while the backward goes on")
 
 
 @dataclass

@@ -109,21 +109,21 @@ def test_a_required_key_left_unset_stops_with_one_line():
     assert check_config(make_cfg("data=imagenet", "data.root=/x"), 1, torch.device("cpu")).data.root == "/x"
 
 
-def test_compile_auto_compiles_on_cuda_with_cuda_graphs_on_one_gpu():
+def test_compile_auto_compiles_on_cuda_with_cuda_graphs():
     """train.compile=auto (the default): eager on the CPU, compiled on CUDA; train.compile_mode=auto: CUDA graphs
-    (reduce-overhead) on one GPU, the default mode under DDP; explicit values win; anything else is one line."""
+    (reduce-overhead), on one GPU and under DDP, the default mode with gradient accumulation; explicit values win;
+    anything else is one line."""
     from swin.train.checks import ConfigError, check_config, compile_mode
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     t = check_config(make_cfg(), 1, cpu).train
     assert (t.compile, t.compile_mode) == ("auto", "auto")
-    assert compile_mode("auto", "auto", cpu, 1) is None
-    assert compile_mode("auto", "auto", cuda, 1) == "reduce-overhead"
-    assert compile_mode("auto", "auto", cuda, 4) == "default"
-    assert compile_mode("auto", "auto", cuda, 1, accum_steps=2) == "default"
-    assert compile_mode(True, "auto", cpu, 1) == "default"
-    assert compile_mode(True, "max-autotune", cpu, 1) == "max-autotune"
-    assert compile_mode(False, "reduce-overhead", cuda, 1) is None
-    assert compile_mode("auto", "default", cuda, 1) == "default"
+    assert compile_mode("auto", "auto", cpu) is None
+    assert compile_mode("auto", "auto", cuda) == "reduce-overhead"
+    assert compile_mode("auto", "auto", cuda, accum_steps=2) == "default"
+    assert compile_mode(True, "auto", cpu) == "default"
+    assert compile_mode(True, "max-autotune", cpu) == "max-autotune"
+    assert compile_mode(False, "reduce-overhead", cuda) is None
+    assert compile_mode("auto", "default", cuda) == "default"
     with pytest.raises(ConfigError, match=re.escape("train.compile='sometimes': use auto (compile on CUDA), true or")):
         check_config(make_cfg("train.compile=sometimes"), 1, cpu)

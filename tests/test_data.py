@@ -279,3 +279,28 @@ def test_make_imagefolder_writes_an_imagenet_shaped_folder(tmp_path):
     assert 60 < mean_kb < 160, mean_kb  # ImageNet's mean is ~110 KB; pure noise or flat colour would miss this
     ds = build_datasets(_folder_cfg(tmp_path / "d"), 16)
     assert ds.num_classes == 3 and ds.train[0][0].dtype == torch.uint8
+
+
+def test_loader_workers_default_to_the_process_share_of_the_cores(monkeypatch, tmp_path):
+    """data.num_workers=null: the cores this process may use (affinity / processes on the host, or SLURM's cores per
+    task) less one, at most 8 with data.decode=gpu; a number is taken as given."""
+    from swin.data.loaders import GPU_DECODE_WORKERS, worker_count
+
+    def data(*overrides):
+        return to_settings(make_cfg("data=imagenet", f"data.root={tmp_path}", *overrides)).data
+
+    cores = int(np.random.randint(20, 200))
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert data().num_workers is None
+    assert worker_count(data()) == cores // 4 - 1
+    assert worker_count(data("data.decode=gpu")) == min(cores // 4 - 1, GPU_DECODE_WORKERS) == GPU_DECODE_WORKERS
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert worker_count(data()) == cores - 1
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
+    assert worker_count(data()) == 2
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK")
+    assert worker_count(data()) == 0  # one core: the training process loads
+    assert worker_count(data("data.num_workers=5")) == 5

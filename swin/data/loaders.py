@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -18,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, default_collate
 
 from swin.config import DataConfig, as_folder
-from swin.data.datasets import Datasets, SyntheticDataset
+from swin.data.datasets import Datasets, SyntheticDataset, decode_mode
 from swin.data.folder import readable
 from swin.data.gpu.batch_ring import ReceivedBatch
 
@@ -263,6 +264,25 @@ def _decoded_in_workers(ds: Dataset) -> bool:
     return type(_encoded_folder(ds)).__name__ == "DecodedImageFolder"
 
 
+# data.decode=gpu: each worker holds a CUDA context, and more than this many did not train faster (docs/performance.md)
+GPU_DECODE_WORKERS = 8
+
+
+def worker_count(cfg: DataConfig) -> int:
+    """Loader workers per training process: data.num_workers, or for null the cores this process may use less one
+    (for the training process itself): under SLURM the task's cores, else the process's CPU affinity shared among
+    the training processes of this host (LOCAL_WORLD_SIZE, set by torchrun); at most GPU_DECODE_WORKERS with
+    data.decode=gpu."""
+    if cfg.num_workers is not None:
+        return cfg.num_workers
+    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():  # srun gives each task its own cores
+        cores = int(os.environ["SLURM_CPUS_PER_TASK"])
+    else:
+        cores = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    workers = max(0, cores - 1)
+    return min(workers, GPU_DECODE_WORKERS) if decode_mode(cfg) == "gpu" else workers
+
+
 def _worker_settings(cfg: DataConfig, device: torch.device, ds: Dataset, batch_size: int, seed: int = 0
                      ) -> dict[str, Any]:
     """DataLoader settings shared by the training and evaluation loaders of folder datasets. data.decode=gpu: the
@@ -270,7 +290,7 @@ def _worker_settings(cfg: DataConfig, device: torch.device, ds: Dataset, batch_s
     process cannot use CUDA), and send each batch in a slot of a ring of buffers (batch_ring, made here: in
     pinned host memory, or the GPU's memory with data.batch_ring=gpu); with a decoding thread they only read files.
     data.augment=gpu with CPU decoding: the workers decode and pack each batch into one buffer, pinned here."""
-    workers = cfg.num_workers
+    workers = worker_count(cfg)
     settings = dict(num_workers=workers, pin_memory=device.type == "cuda", collate_fn=collate_dropping_corrupt,
                     persistent_workers=workers > 0)
     encoded = _encoded_folder(ds)

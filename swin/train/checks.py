@@ -40,6 +40,7 @@ def _size(key: str, value: Any) -> tuple[int, int]:
 AT_LEAST = {  # key: lowest accepted value (null is accepted where the schema allows it)
     "train.epochs": 1, "train.batch_size": 1, "train.accum_steps": 1, "train.eval_batch_size": 1,
     "train.lr_base_size": 1, "train.eval_every": 1, "train.max_nonfinite": 1, "train.dist_timeout_s": 1,
+    "train.ddp_bucket_mb": 1,
     "logger.log_every_steps": 1,
     "data.train_limit": 1, "data.val_limit": 1, "train.warmup_epochs": 0, "train.save_every_epochs": 0,
     "train.save_every_steps": 0, "train.lr": 0, "train.min_lr": 0, "train.warmup_lr": 0, "train.weight_decay": 0,
@@ -123,14 +124,13 @@ def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torc
     return cfg
 
 
-def compile_mode(compile: Any, mode: str, device: torch.device, world_size: int, accum_steps: int = 1) -> str | None:
-    """The torch.compile mode train.compile and train.compile_mode ask for on ``device`` with ``world_size``
-    processes, or None (eager). compile=auto compiles on CUDA only (on the CPU compiling costs more than it saves);
-    mode=auto takes CUDA graphs (reduce-overhead) on one GPU, where the compiled step is host-bound without them,
-    and the default mode under DDP or with gradient accumulation (CUDA graphs are not yet checked there)."""
+def compile_mode(compile: Any, mode: str, device: torch.device, accum_steps: int = 1) -> str | None:
+    """The torch.compile mode train.compile and train.compile_mode ask for on ``device``, or None (eager).
+    compile=auto compiles on CUDA only (on the CPU compiling costs more than it saves); mode=auto takes CUDA graphs
+    (reduce-overhead), on one GPU and under DDP, where the compiled step is host-bound without them, and the default
+    mode with gradient accumulation (a micro-batch's backward would overwrite the previous replay's outputs)."""
     if compile is False or (compile == "auto" and torch.device(device).type != "cuda"):
         return None
     if mode != "auto":
         return mode
-    one_graph_per_step = world_size == 1 and accum_steps == 1
-    return "reduce-overhead" if torch.device(device).type == "cuda" and one_graph_per_step else "default"
+    return "reduce-overhead" if torch.device(device).type == "cuda" and accum_steps == 1 else "default"

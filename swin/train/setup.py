@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from swin.config import ConfigError, TrainAppConfig, TrainConfig, as_folder
 from swin.data.datasets import augment_mode, build_datasets, decode_mode
-from swin.data.loaders import build_loaders
+from swin.data.loaders import build_loaders, worker_count
 from swin.models.registry import config_overrides, create_model
 from swin.precision import autocast, resolve_amp
 from swin.train.checks import FUSED_OPTS, compile_mode, model_arch
@@ -122,9 +122,9 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
     if decode_mode(cfg.data) == "gpu":
         how = ("read the JPEG files; a thread of this process decodes them (nvJPEG) and augments them"
                if as_folder(cfg.data).gpu_decode_thread else "decode the JPEG files (nvJPEG) and augment them")
-        log.info(f"data.decode=gpu: {cfg.data.num_workers} loader worker(s) {how} on {device}")
+        log.info(f"data.decode=gpu: {worker_count(cfg.data)} loader worker(s) {how} on {device}")
     elif augment_mode(cfg.data) == "gpu":
-        log.info(f"data.augment=gpu: {cfg.data.num_workers} loader worker(s) decode the images on the CPU; a thread "
+        log.info(f"data.augment=gpu: {worker_count(cfg.data)} loader worker(s) decode the images on the CPU; a thread "
                  f"of this process augments them on {device}")
 
     num_classes = cfg.model.num_classes or data.num_classes
@@ -138,12 +138,15 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
     criterion, mixup = _build_criterion(t, num_classes)
     amp = resolve_amp(t.amp, device)
     ema = ModelEmaV3(raw_model, decay=t.ema_decay) if t.ema else None
-    mode = compile_mode(t.compile, t.compile_mode, device, world, t.accum_steps)
+    mode = compile_mode(t.compile, t.compile_mode, device, t.accum_steps)
     fwd_model: nn.Module = torch.compile(raw_model, mode=mode) if mode else raw_model
     why = " (train.compile=auto compiles on CUDA only)" if t.compile == "auto" else ""
     log.info(f"torch.compile: {mode} mode (compiles during the first update)" if mode else f"torch.compile: off{why}")
-    model: nn.Module = (DDP(fwd_model, device_ids=[device] if device.type == "cuda" else None)
-                        if dist.enabled else fwd_model)
+    # the model's buffers are constants (position indices, shift masks): broadcasting them every forward, DDP's
+    # default, would be one more collective per step; gradients live in the all-reduce buckets (no copy)
+    model: nn.Module = (DDP(fwd_model, device_ids=[device] if device.type == "cuda" else None,
+                            broadcast_buffers=False, gradient_as_bucket_view=True,
+                            bucket_cap_mb=t.ddp_bucket_mb) if dist.enabled else fwd_model)
     skip_on_device = supports_found_inf(optimizer)
     log.info("non-finite guard: " + (
         "decided on the device (the fused optimizer skips a bad step itself), no host sync per step"
