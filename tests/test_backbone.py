@@ -76,6 +76,35 @@ def test_features_on_every_backend(version, attention):
             _close(m, e, rtol=1e-4 if attention == "flash_window" else 1e-5)  # tf32x3 products in the kernel
 
 
+@pytest.mark.parametrize("version, attention", [(V1, "sdpa"), (V2, "sdpa"), (V1, "flash_window")],
+                         ids=["v1-sdpa", "v2-sdpa", "v1-flash_window"])
+def test_one_graph_serves_every_input_size(version, attention):
+    """torch.compile(dynamic=True): one graph for sizes whose stages pad and sizes that divide the windows (each
+    stage would otherwise guard on it), forward and backward, equal to the eager model at every size."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    name, arch = version
+    model = swin.create_model(name, attention=attention, **arch, features_only=True, dynamic_img_size=True,
+                              img_size=(288, 320))
+    device = "cuda" if attention == "flash_window" and torch.cuda.is_available() else "cpu"
+    model = model.to(device).eval()  # no stochastic depth: the same function eager and compiled
+    counter = CompileCounterWithBackend("inductor" if device == "cuda" else "eager")  # (inductor: slow on the CPU)
+    compiled = torch.compile(model, backend=counter, dynamic=True)
+    # the model's own size (its precomputed masks), then the first stage padded (V2, window 8) or not (V1, window 7),
+    # then the reverse; every stage has 2 windows or more per axis (where it has one, dynamo specialises on it)
+    sizes = [(288, 320), (308, 336), (320, 352)][:2 if attention == "flash_window" else 3]  # (interpreter time)
+    for size in sizes:
+        x = torch.randn(1, 3, *size, device=device, requires_grad=True)
+        got = compiled(x)
+        grad_got = torch.autograd.grad(sum(m.float().square().mean() for m in got), x)[0]
+        expected = model(x)
+        grad_expected = torch.autograd.grad(sum(m.float().square().mean() for m in expected), x)[0]
+        for g, e in zip(got, expected):
+            _close(g.detach(), e.detach(), rtol=1e-4 if attention == "flash_window" else 1e-5)
+        _close(grad_got, grad_expected, rtol=1e-4)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for {len(sizes)} sizes"
+
+
 @needs_timm_1031
 @pytest.mark.parametrize("version", [V1, V2], ids=["v1", "v2"])
 @pytest.mark.parametrize("kwargs", [

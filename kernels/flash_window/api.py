@@ -19,6 +19,7 @@ Every call is checked (ValueError naming the problem); the launch parameters com
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kernels.flash_window.ops import image_attention, window_attention
 from kernels.ops import interpreting as _interpreting
@@ -115,7 +116,8 @@ def flash_window_attention_image(qkv: torch.Tensor, bias: torch.Tensor, mask: to
     _check(qkv, window_size[0] * window_size[1], head_dim, heads, bias, mask, tuple(window_size), grid)
     if three != 3:
         raise ValueError(f"qkv must be (B, H, W, 3, heads, head_dim), got {tuple(qkv.shape)}")
-    padded = h % window_size[0] != 0 or w % window_size[1] != 0
+    # symbolic sizes (torch.compile, dynamic shapes) count as padded unless known to divide: no guard, one graph
+    padded = not (statically_known_true(h % window_size[0] == 0) and statically_known_true(w % window_size[1] == 0))
     fill = qkv_bias[1:].to(qkv.dtype) if (qkv_bias is not None and padded) else None
     if cosine_scale is not None:
         if cosine_scale.numel() != heads:

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import ClassifierHead, DropPath, Mlp, PatchEmbed, resize_rel_pos_bias_table, to_2tuple, trunc_normal_
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils.checkpoint import checkpoint
 
 from kernels.merge_norm import merge_norm
@@ -283,7 +284,8 @@ class SwinTransformerBlock(nn.Module):
         (SwinTransformer.forward_layers)."""
         b, h, w, c = x.shape
         spec = self.spec_for((h, w))
-        if spec.feat_size == self.feat_size or self.attn_mask is None:
+        same_size = all(statically_known_true(a == b) for a, b in zip(spec.feat_size, self.feat_size))
+        if same_size or self.attn_mask is None:  # (no guard on the size under torch.compile's dynamic shapes)
             mask = self.attn_mask
         else:  # another input size (dynamic_img_size): same window and shift, new regions
             mask = shifted_window_mask(spec, x.device)

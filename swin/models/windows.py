@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 MASK_VALUE = -100.0  # official Swin's and timm's value for cross-region pairs (not -inf)
 
@@ -54,7 +55,11 @@ class WindowSpec:
 
     @property
     def padded(self) -> bool:
-        return self.padded_size != self.feat_size
+        """Whether the map is padded to whole windows. With sizes that torch.compile traces as symbols it is True
+        unless they are known to divide (statically_known_true adds no guard): padding by zero rows changes
+        nothing, and one graph then serves every size instead of one per pad/no-pad pattern."""
+        (h, w), (wh, ww) = self.feat_size, self.window_size
+        return not (statically_known_true(h % wh == 0) and statically_known_true(w % ww == 0))
 
 
 def stage_windows(stages: int, grid: tuple[int, int], ref_windows: Sequence[tuple[int, int]],
@@ -184,5 +189,7 @@ def merge_unpad_unshift(windows: torch.Tensor, spec: WindowSpec) -> torch.Tensor
     if spec.padded:
         x = x[:, :h, :w]
     if spec.shifted:
-        x = torch.roll(x, shifts=(sh, sw), dims=(1, 2))
+        x = torch.roll(x, shifts=(sh, sw), dims=(1, 2))  # a contiguous copy
+    elif spec.padded:  # copied here, not by the caller's reshape: no view-or-copy guard per size under torch.compile
+        x = x.clone(memory_format=torch.contiguous_format)
     return x
