@@ -23,7 +23,9 @@ an attention module is built, so it is set with ``timm.layers.set_fused_attn`` b
 every WindowAttention module (``attn.fused_attn``). timm's Swin V2 (``swinv2_*`` names; ``swinv2_micro``: timm's
 SwinTransformerV2 class with our config) has explicit attention math only: its ``math`` rows run, its ``sdpa`` /
 ``sdpa_no_cudnn`` rows are skipped (``grid=swinv2`` has none). Compiled rows use ``torch.compile(model,
-dynamic=False)``. Memory and compiled graphs are freed between rows.
+dynamic=False)``. Memory and compiled graphs are freed between rows. With ``features_only``
+(``grid=backbone``: 800x1216, as a detector feeds its backbone) both sides are their features_only models, and
+the training loss is every map's mean square (a dense head's stand-in).
 
 Profiler mode (``profile.enabled=true``) runs a few more steps per row under torch.profiler and reports the
 fraction of step time spent in attention: GPU time of the kernels that belong to attention, per step, divided
@@ -102,6 +104,7 @@ from omegaconf import (  # noqa: E402
 import swin  # noqa: E402
 import swin.config  # noqa: E402, F401  (registers the config schemas before Hydra composes)
 from swin.config import ModelConfig  # noqa: E402
+from swin.models.swin_transformer import SwinTransformerBlock, WindowAttentionBase  # noqa: E402
 from swin.train.distributed import pick_device  # noqa: E402
 
 
@@ -160,6 +163,7 @@ class BenchmarkAppConfig:
     tf32: bool = MISSING
     compile_mode: str = MISSING
     time_budget_s: float = MISSING
+    features_only: bool = False
     optimizer: BenchOptimizerConfig = field(default_factory=BenchOptimizerConfig)
     profile: BenchProfileConfig = field(default_factory=BenchProfileConfig)
 
@@ -238,10 +242,13 @@ def architecture(model_cfg: DictConfig) -> tuple[str, dict[str, Any]]:
     return cfg["name"], arch
 
 
-def create_ours(name: str, arch: dict[str, Any], attention: str, fused_mlp_act: bool | None = None) -> nn.Module:
-    model = swin.create_model(name, attention=attention, fused_mlp_act=fused_mlp_act, **arch)
-    if model.attention != attention:
-        raise RuntimeError(f"model reports attention {model.attention!r}, wanted {attention!r}")
+def create_ours(name: str, arch: dict[str, Any], attention: str, fused_mlp_act: bool | None = None,
+                features_only: bool = False) -> nn.Module:
+    extra = {"features_only": True} if features_only else {}
+    model = swin.create_model(name, attention=attention, fused_mlp_act=fused_mlp_act, **arch, **extra)
+    found = {m.attention for m in model.modules() if isinstance(m, WindowAttentionBase)}
+    if found != {attention}:
+        raise RuntimeError(f"model reports attention {sorted(found)}, wanted {attention!r}")
     return model
 
 
@@ -256,17 +263,25 @@ def timm_unavailable(spec: RowSpec, name: str) -> str | None:
     return None
 
 
-def create_timm_v2(name: str, arch: dict[str, Any]) -> nn.Module:
+def _timm_features(name: str, arch: dict[str, Any]) -> nn.Module:
+    if not timm.is_model(name):
+        raise RuntimeError(f"timm has no model {name!r} to build a features_only model of")
+    return timm.create_model(name, pretrained=False, features_only=True, **arch)
+
+
+def create_timm_v2(name: str, arch: dict[str, Any], features_only: bool = False) -> nn.Module:
     """timm's Swin V2 (explicit attention math, its only path)."""
     from timm.models.swin_transformer_v2 import SwinTransformerV2
 
+    if features_only:
+        return _timm_features(name, arch)
     if timm.is_model(name):
         return timm.create_model(name, pretrained=False, **arch)
     config = {k: v for k, v in swin.MODEL_CONFIGS[name].items() if k != "version"}
     return SwinTransformerV2(**{**config, **arch})  # e.g. swinv2_micro
 
 
-def create_timm(name: str, arch: dict[str, Any], fused: bool) -> nn.Module:
+def create_timm(name: str, arch: dict[str, Any], fused: bool, features_only: bool = False) -> nn.Module:
     """timm's Swin with its SDPA path on (TIMM_FUSED_ATTN=2 behaviour) or off; checked on every block."""
     from timm.layers import set_fused_attn
     from timm.models.swin_transformer import SwinTransformer, WindowAttention
@@ -275,7 +290,9 @@ def create_timm(name: str, arch: dict[str, Any], fused: bool) -> nn.Module:
     # level 2, which TIMM_FUSED_ATTN=2 or set_fused_attn(True, experimental=True) selects)
     set_fused_attn(fused, experimental=fused)
     try:
-        if timm.is_model(name):
+        if features_only:
+            model = _timm_features(name, arch)
+        elif timm.is_model(name):
             model = timm.create_model(name, pretrained=False, **arch)
         else:  # e.g. swin_micro: timm's class with our architecture config
             model = SwinTransformer(**{**swin.MODEL_CONFIGS[name], **arch})
@@ -289,12 +306,18 @@ def create_timm(name: str, arch: dict[str, Any], fused: bool) -> nn.Module:
     return model
 
 
-def create_model(spec: RowSpec, name: str, arch: dict[str, Any]) -> nn.Module:
+def create_model(spec: RowSpec, name: str, arch: dict[str, Any], features_only: bool = False) -> nn.Module:
+    """The row's model; features_only: its backbone (timm's features_only model of each side)."""
     if spec.impl == "ours":
-        return create_ours(name, arch, spec.attention, spec.fused_mlp_act)
+        return create_ours(name, arch, spec.attention, spec.fused_mlp_act, features_only)
     if is_swinv2(name):
-        return create_timm_v2(name, arch)
-    return create_timm(name, arch, fused=spec.attention != "math")
+        return create_timm_v2(name, arch, features_only)
+    return create_timm(name, arch, fused=spec.attention != "math", features_only=features_only)
+
+
+def features_loss(maps: list[torch.Tensor]) -> torch.Tensor:
+    """A dense head's stand-in for backbone rows: every map's mean square, so each map gets a gradient."""
+    return sum(m.float().square().mean() for m in maps)
 
 
 @contextlib.contextmanager
@@ -606,12 +629,12 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
     """Inference then training measurements of one row (the caller frees memory afterwards)."""
     torch.manual_seed(cfg.seed)
     row: dict[str, Any] = asdict(spec)
-    model = create_model(spec, name, arch).to(device)
+    model = create_model(spec, name, arch, cfg.features_only).to(device)
     if spec.impl == "timm":
-        row["timm_fused_attn"] = bool(getattr(model.layers[0].blocks[0].attn, "fused_attn", False))
+        row["timm_fused_attn"] = any(getattr(m, "fused_attn", False) for m in model.modules())
     else:
-        row["our_attention"] = model.attention
-        row["our_fused_mlp_act"] = all(b.fused_mlp_act for stage in model.layers for b in stage.blocks)
+        row["our_attention"] = spec.attention  # checked by create_ours
+        row["our_fused_mlp_act"] = all(b.fused_mlp_act for b in model.modules() if isinstance(b, SwinTransformerBlock))
     row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
     mode = spec.compile_mode or cfg.compile_mode
     run = torch.compile(model, mode=mode, dynamic=False) if spec.compile else model
@@ -636,7 +659,7 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
 
     def train_step() -> None:
         with amp():
-            loss = F.cross_entropy(run(x), y)
+            loss = features_loss(run(x)) if cfg.features_only else F.cross_entropy(run(x), y)
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(opt)

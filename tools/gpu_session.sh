@@ -21,6 +21,8 @@
 #                                       # train.py with each and on synthetic data, eval.py top-1 with each decode path;
 #                                       # table in $OUT/data/bench_data.md (DATA_ARGS: more overrides, e.g.
 #                                       # "loader.cpu_workers=[16] loader.gpu_workers=[8]")
+#   bash tools/gpu_session.sh backbone  # features_only models at 800x1216 against timm's (grid=backbone): Swin-T,
+#                                       # Swin-B 384 (window 12), Swin V2-T (768x1280)
 #   SCALING_PROCS="1 2" bash tools/gpu_session.sh scaling  # scripts/bench_scaling.py: train.py's step under torchrun
 #                                       # per process count, CUDA graphs and default compile (SCALING_MODEL, default
 #                                       # swin_tiny_patch4_window7_224; SCALING_BATCH per process, default 128;
@@ -28,16 +30,17 @@
 #   MPS=1 bash tools/gpu_session.sh train-side  # train.py on data=synthetic, then on a generated folder with
 #                                       # data.decode=gpu; last epoch's img/s of each in $OUT/train_side.md (SIDE_ROWS:
 #                                       # of synthetic gpu_host gpu_ring, the first two by default; SIDE_ARGS: overrides
-#                                       # for every row, e.g. logger.log_every_steps=10)
+#                                       # for every row, e.g. logger.log_every_steps=10; NPROC=4: torchrun over 4 GPUs,
+#                                       # batch 128 per GPU; SIDE_PER_CLASS: training files per class, default 320)
 # E2E_BUDGET_S, DATA_BUDGET_S: the benchmarks' time_budget_s (rows not started after it are skipped; default: the
 # config's). MPS=1 before any stage: the stage runs under an MPS daemon of its own (started before, stopped after), so
 # that the CUDA contexts of several processes (data.decode=gpu's loader workers) share the GPU instead of time-slicing.
 # Offline wheels: on a machine without a package index, put the missing wheels (e.g. hydra-core, omegaconf,
 # pytest-xdist, execnet) in .whl/ at the repository root (ignored by git); they are installed into /tmp/site first.
 set -uo pipefail
-STAGES="tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side|scaling"
+STAGES="tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side|scaling|backbone"
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side|scaling) ;;
+  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side|scaling|backbone) ;;
   *) echo "usage: bash tools/gpu_session.sh $STAGES" >&2
      exit 2 ;;
 esac
@@ -61,17 +64,18 @@ if [ "${MPS:-0}" = 1 ]; then
 fi
 python -c "import torch, triton, timm
 print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__)"
-# the same Swin-T ImageNet recipe for the train.py rows of loop's folder run and train-side
-Q="experiment=imagenet_swin_tiny train.batch_size=128 train.epochs=3 train.warmup_epochs=1 train.compile=true
+# the same Swin-T ImageNet recipe for the train.py rows of loop's folder run and train-side (128 images per GPU)
+NPROC=${NPROC:-1}
+Q="experiment=imagenet_swin_tiny train.batch_size=$(( 128 * NPROC )) train.epochs=3 train.warmup_epochs=1 train.compile=true
    train.compile_mode=reduce-overhead train.save_every_epochs=0 train.save_every_steps=0 train.eval_every=1000
    logger.wandb.mode=disabled logger.progress=false"
 case "$1" in
   tests)
     # The kernel files on CUDA (their flash, gpu and autocast cases; pytest-xdist's workers compile the Triton kernels
     # in parallel, TEST_WORKERS of them): flash window attention, V2's flash path and its CPB table under autocast, the
-    # GELU epilogue and the fused merge. tests/test_model.py is left to the CPU suite (its timm comparisons).
+    # GELU epilogue, the fused merge, and the backbone compiled (inductor) once for several input sizes. tests/test_model.py is left to the CPU suite (its timm comparisons).
     python -m pytest -q -n "${TEST_WORKERS:-8}" --durations=10 tests/test_flash_window.py tests/test_swinv2.py \
-      tests/test_mlp_act.py tests/test_merge_norm.py -k "flash or gpu or autocast" 2>&1 \
+      tests/test_mlp_act.py tests/test_merge_norm.py tests/test_backbone.py -k "flash or gpu or autocast" 2>&1 \
       | tee "$OUT/gpu_tests.txt"
     # the training step never syncs (CUDA sync debug mode); the side-stream loader and the batch ring keep batches
     # intact
@@ -143,28 +147,29 @@ EOF
   train-side)
     # each row's train.log goes to $OUT/train_side; the folder is written once per machine (renamed into place whole);
     # ROW_TIMEOUT_S stops a row that hangs
-    R=/tmp/train_side; rm -rf "$R/runs" "$R/fakenet.part"; mkdir -p "$R/runs" "$OUT/train_side"
-    if [ ! -d "$R/fakenet" ]; then
-      python scripts/make_imagefolder.py "$R/fakenet.part" --classes 64 --train-per-class 320 --val-per-class 2 \
-        --quality 90 --seed 0 > "$OUT/train_side/make_imagefolder.txt" 2>&1 && mv "$R/fakenet.part" "$R/fakenet" \
+    R=/tmp/train_side; F=$R/fakenet${SIDE_PER_CLASS:-320}; rm -rf "$R/runs" "$F.part"; mkdir -p "$R/runs" "$OUT/train_side"
+    if [ ! -d "$F" ]; then
+      python scripts/make_imagefolder.py "$F.part" --classes 64 --train-per-class ${SIDE_PER_CLASS:-320} --val-per-class 2 \
+        --quality 90 --seed 0 > "$OUT/train_side/make_imagefolder.txt" 2>&1 && mv "$F.part" "$F" \
         || { echo "make_imagefolder.py failed: $OUT/train_side/make_imagefolder.txt"; exit 1; }
     fi
     # the same model and training recipe on data=synthetic, as scripts/bench_data.py composes its synthetic row
     S=$(python -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from bench_data import \
 synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthetic'))))" $Q)
-    G="$Q data.root=$R/fakenet data.decode=gpu data.num_workers=8"
-    printf '| train.py (under MPS: %s) | last epoch |\n|---|---|\n' "${MPS:-0}" > "$OUT/train_side.md"
+    G="$Q data.root=$F data.decode=gpu"
+    T="python"; [ "$NPROC" -gt 1 ] && T="python -m torch.distributed.run --standalone --nproc-per-node $NPROC"
+    printf '| train.py on %s GPU(s) (under MPS: %s) | last epoch |\n|---|---|\n' "$NPROC" "${MPS:-0}" > "$OUT/train_side.md"
     for row in ${SIDE_ROWS:-synthetic gpu_host}; do
       case $row in
-        synthetic) cmd="python train.py $S data=synthetic data.train_samples=20480 data.val_samples=128
-                        data.num_classes=64" ;;
-        gpu_host) cmd="python train.py $G data.batch_ring=host" ;;
-        gpu_ring) cmd="python train.py $G data.batch_ring=gpu" ;;
+        synthetic) cmd="$T train.py $S data=synthetic data.train_samples=$(( 64 * ${SIDE_PER_CLASS:-320} ))
+                        data.val_samples=$(( 128 * NPROC )) data.num_classes=64" ;;
+        gpu_host) cmd="$T train.py $G data.batch_ring=host" ;;
+        gpu_ring) cmd="$T train.py $G data.batch_ring=gpu" ;;
         *) echo "unknown row $row (synthetic, gpu_host, gpu_ring)"; continue ;;
       esac
       timeout "${ROW_TIMEOUT_S:-900}" $cmd ${SIDE_ARGS:-} hydra.run.dir="$R/runs/$row" > "$OUT/train_side/$row.log" 2>&1
       rc=$?
-      last=$(grep -h 'epoch 3/3' "$OUT/train_side/$row.log" | sed -n 's/.*, \([0-9]* img\/s\).*/\1/p')
+      last=$(grep -h 'epoch 3/3' "$OUT/train_side/$row.log" | sed -n 's/.*, \([0-9]* img\/s[^,]*\).*/\1/p')
       echo "| $row | ${last:-no last epoch (exit $rc), see train_side/$row.log} |" | tee -a "$OUT/train_side.md"
     done ;;
   scaling)
@@ -174,6 +179,14 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
         train.compile=true train.compile_mode=$mode ${SCALING_ARGS:-} 2>&1 | tee "$OUT/scaling_$mode.txt"
       cp "$OUT/scaling_$mode/scaling.md" "$OUT/scaling_$mode.md" 2>/dev/null
     done; true ;;
+  backbone)
+    # features_only models at detection size, ours against timm's, CUDA graphs on both sides: Swin-T and the Swin-B
+    # 384 weights (window 12) at 800x1216, Swin V2-T at 768x1280 (timm's V2 does not pad windows)
+    python scripts/benchmark.py grid=backbone out_dir="$OUT/backbone_swin_t" ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S}
+    python scripts/benchmark.py grid=backbone model=swin_base_patch4_window12_384 out_dir="$OUT/backbone_swin_b384" \
+      ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S}
+    python scripts/benchmark.py grid=backbone model=swinv2_tiny_window8_256 model.img_size=[768,1280] \
+      out_dir="$OUT/backbone_swinv2_t" ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S} ;;
   data)
     # the pipeline's GPU tests, then the batched crop kernel on CUDA (its CPU tests run it in the interpreter)
     python -m pytest -q -m gpu --durations=5 tests/test_gpu_data.py tests/test_data.py tests/test_batch_ring.py 2>&1 \
