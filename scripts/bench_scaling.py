@@ -9,9 +9,10 @@ the non-finite guard) from configs/train.yaml with the given overrides, on ``dat
 pick another dataset, and runs train.py's own training step (swin.train.step.train_step):
 
 * warm-up updates (compilation, CUDA graph recording), then timed updates: img/s of all processes;
-* profiled updates (CUDA): per step, the GPU busy time (union of kernel intervals) and the communication that is
-  not overlapped: time when an NCCL kernel runs and no other kernel does (the union of all kernels minus the
-  union of the compute kernels); each the largest over the ranks.
+* profiled updates: per step, the collectives by kind (DDP's bucket all-reduces and any other, as the profiler
+  names them), and on CUDA the GPU busy time (union of kernel intervals) and the communication that is not
+  overlapped: time when an NCCL kernel runs and no other kernel does (the union of all kernels minus the union of
+  the compute kernels); each the largest over the ranks. ``--trace`` also writes each rank's Chrome trace.
 
 ``train.batch_size`` is per process here (the global batch grows with the processes: weak scaling, as the scaling
 targets are stated); the table gives img/s, the factor over the 1-process row, and the per-step times. Results:
@@ -25,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from benchmark import busy_union_us, device_kernels  # noqa: E402
 
+# the profiler's names of collectives (c10d records each as <backend>:<collective>)
+COLLECTIVE_PREFIXES = ("nccl:", "gloo:")
+
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -43,7 +48,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4], help="process counts (default 1 2 4)")
     p.add_argument("--warmup", type=int, default=15, help="untimed updates first (compilation included)")
     p.add_argument("--steps", type=int, default=40, help="timed updates")
-    p.add_argument("--profile-steps", type=int, default=5, help="profiled updates (CUDA only; 0: none)")
+    p.add_argument("--profile-steps", type=int, default=5, help="profiled updates (0: none)")
+    p.add_argument("--trace", action="store_true", help="also write each rank's profile as a Chrome trace "
+                   "(<out>/procsN/trace_rankR.json)")
     p.add_argument("--out", type=Path, default=Path("outputs/bench_scaling"), help="results folder")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per process count")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the driver for torchrun
@@ -70,21 +77,32 @@ def _compose(overrides: list[str], world: int) -> Any:
     return cfg
 
 
-def _step_profile(run: Any, batches: Any, clock: Any, steps: int) -> dict[str, float]:
-    """GPU busy and exposed communication per step (ms) over `steps` profiled updates."""
+def _step_profile(run: Any, batches: Any, clock: Any, steps: int, cuda: bool, trace: Path | None
+                  ) -> dict[str, Any]:
+    """Over `steps` profiled updates: the collectives per step by kind (as the profiler names them, e.g.
+    nccl:all_reduce; DDP's bucket all-reduces included), and on CUDA the GPU busy and exposed communication per
+    step (ms). trace: also write the profile there (a Chrome trace)."""
     from swin.train.step import train_step
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             train_step(run, batches, clock)
-        torch.cuda.synchronize()
-    kernels = device_kernels(prof.events())
+        if cuda:
+            torch.cuda.synchronize()
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    events = prof.events()
+    names = Counter(e.name for e in events if e.name.startswith(COLLECTIVE_PREFIXES))
+    result: dict[str, Any] = {"collectives_per_step": {k: v / steps for k, v in sorted(names.items())}}
+    if not cuda:
+        return result
+    kernels = device_kernels(events)
     spans = [(k.time_range.start, k.time_range.end) for k in kernels]
     compute = [(k.time_range.start, k.time_range.end) for k in kernels if "nccl" not in k.name.lower()]
     busy = busy_union_us(spans)
     comm = sum(k.time_range.end - k.time_range.start for k in kernels if "nccl" in k.name.lower())
-    return {"busy_ms": busy / steps / 1e3, "comm_ms": comm / steps / 1e3,
+    return {**result, "busy_ms": busy / steps / 1e3, "comm_ms": comm / steps / 1e3,
             "comm_exposed_ms": (busy - busy_union_us(compute)) / steps / 1e3}
 
 
@@ -118,7 +136,8 @@ def worker(args: argparse.Namespace) -> None:
         train_step(run, batches, clock)
     sync()
     seconds = time.perf_counter() - t0
-    profile = _step_profile(run, batches, clock, args.profile_steps) if cuda and args.profile_steps else {}
+    trace = Path(os.environ["SCALING_RUN_DIR"]) / f"trace_rank{info.rank}.json" if args.trace else None
+    profile = _step_profile(run, batches, clock, args.profile_steps, cuda, trace) if args.profile_steps else {}
     per_rank = all_gather_object({"seconds": seconds, **profile})
     if info.is_main:
         row = {"procs": world, "batch_per_process": cfg.train.batch_size // world, "steps": args.steps,
@@ -126,8 +145,10 @@ def worker(args: argparse.Namespace) -> None:
                "step_ms": 1e3 * max(r["seconds"] for r in per_rank) / args.steps,
                "compile": run.compile_mode or False, "model": cfg.model.name, "device": str(info.device)}
         for key in ("busy_ms", "comm_ms", "comm_exposed_ms"):
-            if profile:
+            if key in profile:
                 row[key] = max(r[key] for r in per_rank)
+        if profile:
+            row["collectives_per_step"] = profile["collectives_per_step"]
         Path(os.environ["SCALING_RESULT"]).write_text(json.dumps(row))
     cleanup()
 
@@ -139,7 +160,7 @@ def _launch(args: argparse.Namespace, procs: int) -> dict[str, Any]:
     result.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
            str(Path(__file__).resolve()), "--worker", "--warmup", str(args.warmup), "--steps", str(args.steps),
-           "--profile-steps", str(args.profile_steps), "--", *args.overrides]
+           "--profile-steps", str(args.profile_steps), *(["--trace"] if args.trace else []), "--", *args.overrides]
     env = {**os.environ, "SCALING_RESULT": str(result), "SCALING_RUN_DIR": str(out)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     (out / "log.txt").write_text(proc.stdout + proc.stderr)
@@ -153,10 +174,16 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _collectives(per_step: dict[str, float] | None) -> str:
+    if per_step is None:
+        return "-"
+    return ", ".join(f"{count:g} {name.split(':', 1)[1]}" for name, count in per_step.items()) or "none"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     base = next((r["img_s"] for r in rows if r.get("procs") == 1 and "img_s" in r), None)
-    lines = ["| processes | batch / process | img/s | scaling | step ms | GPU busy ms | NCCL ms | exposed NCCL ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| processes | batch / process | img/s | scaling | step ms | GPU busy ms | NCCL ms | exposed NCCL ms "
+             "| collectives / step |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['procs']} | {r['error']} |")
@@ -164,7 +191,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         scale = r["img_s"] / base if base else None
         lines.append(f"| {r['procs']} | {r['batch_per_process']} | {r['img_s']:,.0f} | {_fmt(scale, '.2f')}x "
                      f"| {r['step_ms']:.1f} | {_fmt(r.get('busy_ms'), '.1f')} | {_fmt(r.get('comm_ms'), '.1f')} "
-                     f"| {_fmt(r.get('comm_exposed_ms'), '.2f')} |")
+                     f"| {_fmt(r.get('comm_exposed_ms'), '.2f')} | {_collectives(r.get('collectives_per_step'))} |")
     return "\n".join(lines)
 
 

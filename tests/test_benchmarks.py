@@ -435,10 +435,11 @@ def test_bench_data_cpu(tmp_path):
 @pytest.mark.slow
 def test_bench_scaling_cpu(tmp_path):
     """scripts/bench_scaling.py with 1 and 2 gloo processes: train.py's setup and step under torchrun, per-process
-    batch, img/s of all processes and the factor over one process in the table."""
+    batch, img/s of all processes and the factor over one process in the table, and the collectives per update."""
     out = tmp_path / "scaling"
     stdout = run_script([str(ROOT / "scripts/bench_scaling.py"), "--procs", "1", "2", "--warmup", "1", "--steps", "3",
-                         "--out", str(out), "--", "model=swin_micro", "train.batch_size=4", "device=cpu"],
+                         "--profile-steps", "2", "--out", str(out), "--", "model=swin_micro", "train.batch_size=4",
+                         "device=cpu"],
                         cwd=tmp_path, timeout=300)
     rows = json.loads((out / "scaling.json").read_text())["rows"]
     assert [r["procs"] for r in rows] == [1, 2] and all(r["batch_per_process"] == 4 for r in rows)
@@ -448,3 +449,8 @@ def test_bench_scaling_cpu(tmp_path):
     factor = rows[1]["img_s"] / rows[0]["img_s"]
     assert f"| 2 | 4 | {rows[1]['img_s']:,.0f} | {factor:.2f}x |" in stdout
     assert (out / "scaling.md").read_text().strip() == stdout.strip().split("\n", 2)[-1].strip()
+    # per update: DDP's gradient all-reduce (swin_micro's gradients fill one bucket) and the loss's for the
+    # non-finite guard; no buffer broadcast (DDP's default: one before every forward), nothing on one process
+    assert rows[0]["collectives_per_step"] == {}
+    assert rows[1]["collectives_per_step"] == {"gloo:all_reduce": 2.0}
+    assert f"| {rows[1]['img_s']:,.0f} | {factor:.2f}x |" in stdout and "| 2 all_reduce |" in stdout
