@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -93,7 +94,9 @@ def _step_profile(run: Any, batches: Any, clock: Any, steps: int, cuda: bool, tr
     if trace is not None:
         prof.export_chrome_trace(str(trace))
     events = prof.events()
-    names = Counter(e.name for e in events if e.name.startswith(COLLECTIVE_PREFIXES))
+    # the CPU-side record of each collective (on CUDA the profiler also lists a GPU-side one under the same name)
+    names = Counter(e.name for e in events
+                    if e.device_type == DeviceType.CPU and e.name.startswith(COLLECTIVE_PREFIXES))
     result: dict[str, Any] = {"collectives_per_step": {k: v / steps for k, v in sorted(names.items())}}
     if not cuda:
         return result

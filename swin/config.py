@@ -76,7 +76,7 @@ class DataConfig:
     name: str = key("dataset kind; the data= option sets it with the keys below")
     root: str | None = key("dataset folder (folder datasets: required)")
     num_workers: int | None = key("loader worker processes per training process; null: this process's share of "
-                                  "the host's cores less one (at most 8 with decode=gpu)")
+                                  "the host's cores less one (at most 8 decoding on the GPU, 32 on the CPU)")
     train_limit: int | None = key("use only the first N training images (smoke runs); null: all")
     val_limit: int | None = key("use only the first N validation images; null: all")
 

@@ -282,25 +282,32 @@ def test_make_imagefolder_writes_an_imagenet_shaped_folder(tmp_path):
 
 
 def test_loader_workers_default_to_the_process_share_of_the_cores(monkeypatch, tmp_path):
-    """data.num_workers=null: the cores this process may use (affinity / processes on the host, or SLURM's cores per
-    task) less one, at most 8 with data.decode=gpu; a number is taken as given."""
-    from swin.data.loaders import GPU_DECODE_WORKERS, worker_count
+    """data.num_workers=null: the cores this process may use less one (under torchrun the affinity divided among
+    the host's processes, a SLURM task's own cores, else the affinity), at most 8 decoding on the GPU and 32 on the
+    CPU; a number is taken as given."""
+    from swin.data.loaders import CPU_DECODE_WORKERS, GPU_DECODE_WORKERS, worker_count
 
     def data(*overrides):
         return to_settings(make_cfg("data=imagenet", f"data.root={tmp_path}", *overrides)).data
 
-    cores = int(np.random.randint(20, 200))
+    cores = int(np.random.randint(40, 200))
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
-    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    for key in ("SLURM_CPUS_PER_TASK", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
     assert data().num_workers is None
-    assert worker_count(data()) == cores // 4 - 1
-    assert worker_count(data("data.decode=gpu")) == min(cores // 4 - 1, GPU_DECODE_WORKERS) == GPU_DECODE_WORKERS
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert worker_count(data()) == cores - 1
-    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
+    assert worker_count(data()) == min(cores - 1, CPU_DECODE_WORKERS)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # torchrun, 8 processes on this host
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert worker_count(data()) == cores // 8 - 1
+    assert worker_count(data("data.decode=gpu")) == min(cores // 8 - 1, GPU_DECODE_WORKERS)
+    # workers that only read files (a thread decodes on the GPU) are not held to the GPU decoders' cap
+    assert worker_count(data("data.decode=gpu", "data.gpu_decode_thread=true")) == cores // 8 - 1
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", str(cores))  # torchrun inside one SLURM task: still shared
+    assert worker_count(data()) == cores // 8 - 1
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")  # a task srun started, with its own 3 cores
     assert worker_count(data()) == 2
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     monkeypatch.delenv("SLURM_CPUS_PER_TASK")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     assert worker_count(data()) == 0  # one core: the training process loads
     assert worker_count(data("data.num_workers=5")) == 5

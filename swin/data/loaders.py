@@ -264,23 +264,34 @@ def _decoded_in_workers(ds: Dataset) -> bool:
     return type(_encoded_folder(ds)).__name__ == "DecodedImageFolder"
 
 
-# data.decode=gpu: each worker holds a CUDA context, and more than this many did not train faster (docs/performance.md)
+# caps of data.num_workers=null: workers that decode on the GPU each hold a CUDA context, and 8 trained about as
+# fast as 4 or 6 (docs/performance.md); CPU decoding (~260 img/s a worker) feeds one GPU with fewer than 32, and the
+# evaluation loader starts as many again
 GPU_DECODE_WORKERS = 8
+CPU_DECODE_WORKERS = 32
+
+
+def _cores() -> int:
+    """The cores this process may use: its CPU affinity (the whole host where there is none)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def worker_count(cfg: DataConfig) -> int:
-    """Loader workers per training process: data.num_workers, or for null the cores this process may use less one
-    (for the training process itself): under SLURM the task's cores, else the process's CPU affinity shared among
-    the training processes of this host (LOCAL_WORLD_SIZE, set by torchrun); at most GPU_DECODE_WORKERS with
-    data.decode=gpu."""
+    """Loader workers per training process: data.num_workers, or for null this process's share of the cores less
+    one (for the training process itself): under torchrun the affinity shared among the processes of the host
+    (LOCAL_WORLD_SIZE), else under SLURM the task's cores, else the affinity; at most GPU_DECODE_WORKERS where the
+    workers decode on the GPU, CPU_DECODE_WORKERS otherwise."""
     if cfg.num_workers is not None:
         return cfg.num_workers
-    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():  # srun gives each task its own cores
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun: its processes share one affinity (a SLURM task's, too)
+        cores = _cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    elif os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():  # a task srun started: its own cores
         cores = int(os.environ["SLURM_CPUS_PER_TASK"])
     else:
-        cores = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    workers = max(0, cores - 1)
-    return min(workers, GPU_DECODE_WORKERS) if decode_mode(cfg) == "gpu" else workers
+        cores = _cores()
+    folder = as_folder(cfg)
+    gpu_workers = decode_mode(cfg) == "gpu" and not (folder is not None and folder.gpu_decode_thread)
+    return min(max(0, cores - 1), GPU_DECODE_WORKERS if gpu_workers else CPU_DECODE_WORKERS)
 
 
 def _worker_settings(cfg: DataConfig, device: torch.device, ds: Dataset, batch_size: int, seed: int = 0

@@ -284,7 +284,7 @@ class SwinTransformerBlock(nn.Module):
         (SwinTransformer.forward_layers)."""
         b, h, w, c = x.shape
         spec = self.spec_for((h, w))
-        same_size = all(statically_known_true(a == b) for a, b in zip(spec.feat_size, self.feat_size))
+        same_size = all(statically_known_true(now == built) for now, built in zip(spec.feat_size, self.feat_size))
         if same_size or self.attn_mask is None:  # (no guard on the size under torch.compile's dynamic shapes)
             mask = self.attn_mask
         else:  # another input size (dynamic_img_size): same window and shift, new regions

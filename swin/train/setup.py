@@ -143,7 +143,8 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
     why = " (train.compile=auto compiles on CUDA only)" if t.compile == "auto" else ""
     log.info(f"torch.compile: {mode} mode (compiles during the first update)" if mode else f"torch.compile: off{why}")
     # the model's buffers are constants (position indices, shift masks): broadcasting them every forward, DDP's
-    # default, would be one more collective per step; gradients live in the all-reduce buckets (no copy)
+    # default, would be more collectives per step; .grad are views of the all-reduce buckets (no copy back, no
+    # second set of gradient memory)
     model: nn.Module = (DDP(fwd_model, device_ids=[device] if device.type == "cuda" else None,
                             broadcast_buffers=False, gradient_as_bucket_view=True,
                             bucket_cap_mb=t.ddp_bucket_mb) if dist.enabled else fwd_model)
