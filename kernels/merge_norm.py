@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ops import interpreting, kernel_op, launch
+from kernels.ops import cdiv, interpreting, kernel_op, launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -100,7 +100,7 @@ def _merge_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias
     cfg = _launch_config(c) if isinstance(c, int) else _launch_config.__wrapped__(c)  # traced: maybe symbolic
     rows = b * oh * ow
     round_sum = x.dtype == delta.dtype and x.dtype != torch.float32
-    launch(merge_norm_kernel, (triton.cdiv(rows, cfg["BLOCK_R"]),), x, delta, weight, bias, out, rows, h, w, oh, ow,
+    launch(merge_norm_kernel, (cdiv(rows, cfg["BLOCK_R"]),), x, delta, weight, bias, out, rows, h, w, oh, ow,
            eps, *x.stride()[:3], *delta.stride()[:3], C=c, ROUND_SUM=round_sum, **cfg)
     return out
 

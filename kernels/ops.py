@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 import torch
+import triton
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import custom_op, triton_op, wrap_triton
 from triton import knobs
@@ -16,6 +17,17 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 def interpreting() -> bool:
     return _INTERPRET
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1). Host code's: triton.next_power_of_2 and triton.cdiv are constexpr
+    functions whose every host call costs microseconds, paid per launch."""
+    return 1 << (n - 1).bit_length() if type(n) is int else triton.next_power_of_2(n)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code (see next_power_of_2); also for symbolic sizes."""
+    return -(-a // b)
 
 
 def eager_launch(x: torch.Tensor) -> bool:

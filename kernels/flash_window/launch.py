@@ -11,7 +11,6 @@ kernels sum the tiles and then each table entry's token pairs (deterministic, no
 from __future__ import annotations
 
 import torch
-import triton
 
 from kernels.flash_window import plan
 from kernels.flash_window.triton_kernels import (
@@ -23,6 +22,7 @@ from kernels.flash_window.triton_kernels import (
 )
 from kernels.ops import eager_launch as _eager_launch
 from kernels.ops import launch as _launch
+from kernels.ops import next_power_of_2
 
 Strides = tuple[int, int, int, int]  # (b, y, x, head) element strides of (B, H, W, heads, head_dim) tokens
 
@@ -101,9 +101,9 @@ def _bias_grad(partial: torch.Tensor, bias: torch.Tensor, window: tuple[int, int
 
 def _grad_blocks(sets: int, area: int, window_width: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_S, BLOCK_X) of the bias-gradient kernels."""
-    block_n = triton.next_power_of_2(area)
-    block_s = min(triton.next_power_of_2(sets), max(1, 8192 // block_n))
-    return block_n, block_s, triton.next_power_of_2(2 * window_width - 1)
+    block_n = next_power_of_2(area)
+    block_s = min(next_power_of_2(sets), max(1, 8192 // block_n))
+    return block_n, block_s, next_power_of_2(2 * window_width - 1)
 
 
 def _report(kernel, cfg: dict) -> None:

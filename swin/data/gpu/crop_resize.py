@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ops import interpreting, launch_direct
+from kernels.ops import cdiv, interpreting, launch_direct, next_power_of_2
 
 # per-image mode ids (swin.data.gpu.augment.MODES order)
 BILINEAR, BICUBIC, NEAREST = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -342,12 +342,12 @@ def _launch(src: torch.Tensor, planes: np.ndarray, boxes: np.ndarray, modes: np.
     meta_t, groups_t = tables[:meta.size], tables[meta.size:]
     rows_buffer = torch.empty(int(row_sizes.sum()), dtype=torch.float32, device=device)
     out = torch.empty((n, 3, out_h, out_w), dtype=torch.uint8, device=device)
-    block_w = triton.next_power_of_2(out_w)
+    block_w = next_power_of_2(out_w)
     # the interpreter runs each program's block as one numpy operation: fewer, larger ones
     block, warps = (max(1, 4096 // block_w), 4) if interpreting() else (GPU_BLOCK, GPU_WARPS)
-    launch_direct(crop_resize_rows_kernel, (len(groups), triton.cdiv(int(rows.max()), block)), src, meta_t, groups_t,
+    launch_direct(crop_resize_rows_kernel, (len(groups), cdiv(int(rows.max()), block)), src, meta_t, groups_t,
                   rows_buffer, out_w, BLOCK_R=block, BLOCK_W=block_w, CHANNELS_LAST=channels_last, num_warps=warps)
     convert = bool(ycbcr.any())
-    launch_direct(crop_resize_cols_kernel, (n if convert else n * 3, triton.cdiv(out_h, block)), rows_buffer, meta_t,
+    launch_direct(crop_resize_cols_kernel, (n if convert else n * 3, cdiv(out_h, block)), rows_buffer, meta_t,
                   out, out_h, out_w, BLOCK_I=block, BLOCK_W=block_w, CONVERT=convert, num_warps=warps)
     return out

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ops import interpreting, launch_direct
+from kernels.ops import cdiv, interpreting, launch_direct
 
 # op ids (the table's values); the three affine ids differ in their resampling filter
 (AUTOCONTRAST, EQUALIZE, INVERT, POSTERIZE, SOLARIZE, SOLARIZE_ADD, COLOR, CONTRAST, BRIGHTNESS, SHARPNESS,
@@ -314,7 +314,7 @@ def augment_layer(x: torch.Tensor, ops: torch.Tensor, args: torch.Tensor, fill: 
         raise ValueError(f"augment_layer needs ops ({n},) int32 and args ({n}, {ARGS}) float32, got "
                          f"{tuple(ops.shape)} {ops.dtype} and {tuple(args.shape)} {args.dtype}")
     x = x.contiguous()
-    blocks = triton.cdiv(h * w, BLOCK)
+    blocks = cdiv(h * w, BLOCK)
     acc = torch.zeros((n, ACC), dtype=torch.int32, device=x.device)
     lut = torch.empty((n, 3, 256), dtype=torch.uint8, device=x.device)
     launch_direct(layer_stats_kernel, (n, blocks), x, ops, acc, h * w, BLOCK=BLOCK)
@@ -322,6 +322,6 @@ def augment_layer(x: torch.Tensor, ops: torch.Tensor, args: torch.Tensor, fill: 
     out = torch.empty_like(x)
     # the interpreter runs a program's block as one numpy operation: few large ones
     block, warps = (BLOCK, 4) if interpreting() else (APPLY_BLOCK, APPLY_WARPS)
-    launch_direct(layer_apply_kernel, (n, triton.cdiv(h * w, block)), x, out, ops, args.contiguous(), acc, lut, fill,
+    launch_direct(layer_apply_kernel, (n, cdiv(h * w, block)), x, out, ops, args.contiguous(), acc, lut, fill,
                   h, w, BLOCK=block, num_warps=warps)
     return out
