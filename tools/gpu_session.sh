@@ -73,9 +73,11 @@ case "$1" in
   tests)
     # The kernel files on CUDA (their flash, gpu and autocast cases; pytest-xdist's workers compile the Triton kernels
     # in parallel, TEST_WORKERS of them): flash window attention, V2's flash path and its CPB table under autocast, the
-    # GELU epilogue, the fused merge, and the backbone compiled (inductor) once for several input sizes. tests/test_model.py is left to the CPU suite (its timm comparisons).
+    # GELU epilogue, the fused merge, the backbone compiled (inductor) once for several input sizes, and the cached
+    # eager launches. tests/test_model.py is left to the CPU suite (its timm comparisons).
     python -m pytest -q -n "${TEST_WORKERS:-8}" --durations=10 tests/test_flash_window.py tests/test_swinv2.py \
-      tests/test_mlp_act.py tests/test_merge_norm.py tests/test_backbone.py -k "flash or gpu or autocast" 2>&1 \
+      tests/test_mlp_act.py tests/test_merge_norm.py tests/test_backbone.py tests/test_kernel_launch.py \
+      -k "flash or gpu or autocast" 2>&1 \
       | tee "$OUT/gpu_tests.txt"
     # the training step never syncs (CUDA sync debug mode); the side-stream loader and the batch ring keep batches
     # intact
