@@ -150,6 +150,8 @@ def worker(args: argparse.Namespace) -> None:
         for key in ("busy_ms", "comm_ms", "comm_exposed_ms"):
             if key in profile:
                 row[key] = max(r[key] for r in per_rank)
+        if "comm_exposed_ms" in profile:  # far apart: the ranks wait for each other (skew), not for the network
+            row["comm_exposed_ms_min"] = min(r["comm_exposed_ms"] for r in per_rank)
         if profile:
             row["collectives_per_step"] = profile["collectives_per_step"]
         Path(os.environ["SCALING_RESULT"]).write_text(json.dumps(row))
@@ -177,6 +179,14 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _exposed(row: dict[str, Any]) -> str:
+    """The largest exposed NCCL time over the ranks, with the smallest in parentheses where there are several."""
+    if row.get("comm_exposed_ms") is None:
+        return "-"
+    low = row.get("comm_exposed_ms_min")
+    return f"{row['comm_exposed_ms']:.2f}" + (f" ({low:.2f})" if low is not None and row["procs"] > 1 else "")
+
+
 def _collectives(per_step: dict[str, float] | None) -> str:
     if per_step is None:
         return "-"
@@ -185,8 +195,8 @@ def _collectives(per_step: dict[str, float] | None) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     base = next((r["img_s"] for r in rows if r.get("procs") == 1 and "img_s" in r), None)
-    lines = ["| processes | batch / process | img/s | scaling | step ms | GPU busy ms | NCCL ms | exposed NCCL ms "
-             "| collectives / step |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| processes | batch / process | img/s | scaling | step ms | GPU busy ms | NCCL ms | exposed NCCL ms, "
+             "most (least) over ranks | collectives / step |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['procs']} | {r['error']} |")
@@ -194,7 +204,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         scale = r["img_s"] / base if base else None
         lines.append(f"| {r['procs']} | {r['batch_per_process']} | {r['img_s']:,.0f} | {_fmt(scale, '.2f')}x "
                      f"| {r['step_ms']:.1f} | {_fmt(r.get('busy_ms'), '.1f')} | {_fmt(r.get('comm_ms'), '.1f')} "
-                     f"| {_fmt(r.get('comm_exposed_ms'), '.2f')} | {_collectives(r.get('collectives_per_step'))} |")
+                     f"| {_exposed(r)} | {_collectives(r.get('collectives_per_step'))} |")
     return "\n".join(lines)
 
 
