@@ -105,6 +105,7 @@ import swin  # noqa: E402
 import swin.config  # noqa: E402, F401  (registers the config schemas before Hydra composes)
 from swin.config import ModelConfig  # noqa: E402
 from swin.models.swin_transformer import SwinTransformerBlock, WindowAttentionBase  # noqa: E402
+from swin.precision import fp8_linears, fp8_problem  # noqa: E402
 from swin.train.distributed import pick_device  # noqa: E402
 
 
@@ -170,7 +171,8 @@ class BenchmarkAppConfig:
 
 ConfigStore.instance().store(group="schema", name="benchmark", node=BenchmarkAppConfig)
 
-PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# fp8: bf16 autocast with the large linear layers in FP8 (swin.precision.fp8_linears, on both sides)
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 # keys of configs/model/*.yaml that describe the architecture (the others: attention, pretrained, ...)
 ARCH_KEYS = ("img_size", "patch_size", "window_size", "embed_dim", "depths", "num_heads", "mlp_ratio",
              "in_chans", "qkv_bias", "drop_path_rate", "num_classes", "pretrained_window_sizes")
@@ -182,7 +184,7 @@ class RowSpec:
     attention: str     # ours: standard | sdpa | flash_window; timm: math | sdpa | sdpa_no_cudnn
     compile: bool
     batch_size: int
-    precision: str     # bf16 | fp16 | fp32
+    precision: str     # bf16 | fp16 | fp32 | fp8
     compile_mode: str | None = None  # this row's torch.compile mode; None: the config's compile_mode
     # ours: fc1 + GELU as one cuBLASLt GEMM (GELU epilogue) in bf16/fp16 inference; None: the model's default (on;
     # timm rows: not theirs)
@@ -630,6 +632,10 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
     torch.manual_seed(cfg.seed)
     row: dict[str, Any] = asdict(spec)
     model = create_model(spec, name, arch, cfg.features_only).to(device)
+    if spec.precision == "fp8":
+        if problem := fp8_problem(device):
+            raise RuntimeError(problem)
+        row["fp8_layers"] = len(fp8_linears(model))
     if spec.impl == "timm":
         row["timm_fused_attn"] = any(getattr(m, "fused_attn", False) for m in model.modules())
     else:

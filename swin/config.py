@@ -161,7 +161,8 @@ class TrainConfig:
     mixup_prob: float = key("probability of mixing a batch when mixup or cutmix is on")
     mixup_switch_prob: float = key("probability of cutmix rather than mixup when both are on")
     mixup_mode: str = key("mix per batch | pair | elem")
-    amp: str = key("precision: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32")
+    amp: str = key("precision: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32 | fp8 (bf16, and the large "
+                   "linear layers in FP8: torchao)")
     # auto | true | false (OmegaConf has no str-or-bool type; check_config checks it)
     compile: Any = key("torch.compile the model: auto (on CUDA, not on the CPU) | true | false")
     compile_mode: str = key("auto (CUDA graphs, also under DDP; default with accum_steps > 1) | default | "

@@ -45,7 +45,7 @@ from swin.io import write_json
 from swin.models.attention import check_backend
 from swin.models.pretrained import Checkpoint, checkpoint_num_classes, load_into, read_source
 from swin.models.registry import config_overrides, create_model
-from swin.precision import autocast, resolve_amp
+from swin.precision import TRAIN_AMP_CHOICES, autocast, resolve_amp
 from swin.train.distributed import all_reduce_sum, barrier, cleanup, init_distributed
 
 log = logging.getLogger("swin.eval")
@@ -75,7 +75,7 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
     ``device`` (``swin.data.build_eval_loader``); under DDP give each process a ``swin.data.ShardSampler``
     shard: every sum is all-reduced, so all processes get the whole set's numbers.
     ``total``: number of images on this process, for the progress bar.
-    ``amp``: None/'fp32', 'bf16' or 'fp16' autocast; logits are upcast to fp32 for loss and ranking.
+    ``amp``: None/'fp32', 'bf16' or 'fp16' autocast ('fp8': bf16); logits are upcast to fp32 for loss and ranking.
     """
     device = torch.device(device)
     was_training = model.training
@@ -87,7 +87,8 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
     bar = _progress(total, progress, desc)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    amp_context = autocast(device, resolve_amp(amp or "fp32", device))  # reused by every batch
+    # reused by every batch; fp8: a model training with train.amp=fp8 (its FP8 layers cast for themselves)
+    amp_context = autocast(device, resolve_amp(amp or "fp32", device, TRAIN_AMP_CHOICES))
     start = time.perf_counter()
     try:
         for i, batch in enumerate(loader):

@@ -1,26 +1,71 @@
-"""The mixed-precision choice shared by training and evaluation: ``amp=auto|bf16|fp16|fp32``."""
+"""The mixed-precision choice shared by training and evaluation: ``amp=auto|bf16|fp16|fp32``, and for training
+``fp8``: bf16 autocast with the large linear layers' matmuls in FP8 (torchao's float8 training)."""
 from __future__ import annotations
 
 import contextlib
 
 import torch
+import torch.nn as nn
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 AMP_CHOICES = ("auto", *AMP_DTYPES)
+TRAIN_AMP_CHOICES = (*AMP_CHOICES, "fp8")
+# FP8 pays only where a GEMM is large enough for its faster math to outweigh the scaling and casting around it:
+# layers with both dimensions at least this (Swin-B's and Swin-L's last stages and MLPs); FP8 GEMMs also need
+# multiples of 16 (a 1000-class head is left alone)
+FP8_MIN_FEATURES = 1024
+FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and later
 
 
-def resolve_amp(amp: str | None, device: torch.device) -> str:
-    """``auto`` (or None) becomes bf16 on CUDA and fp32 elsewhere; ValueError for an unknown name."""
+def resolve_amp(amp: str | None, device: torch.device, choices: tuple[str, ...] = AMP_CHOICES) -> str:
+    """``auto`` (or None) becomes bf16 on CUDA and fp32 elsewhere; ValueError for a name not in ``choices``
+    (TRAIN_AMP_CHOICES adds fp8)."""
     if amp in (None, "auto"):
         return "bf16" if torch.device(device).type == "cuda" else "fp32"
-    if amp not in AMP_DTYPES:
-        raise ValueError(f"amp={amp!r}: use auto, bf16, fp16 or fp32")
+    if amp not in choices:
+        raise ValueError(f"amp={amp!r}: use {', '.join(choices[:-1])} or {choices[-1]}")
     return amp
 
 
 def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
-    """The autocast context of a resolved ``amp`` (fp32: none)."""
+    """The autocast context of a resolved ``amp`` (fp32: none; fp8: bf16, the FP8 layers cast for themselves)."""
     device = torch.device(device)
     if amp == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=AMP_DTYPES[amp])
+    return torch.autocast(device.type, dtype=AMP_DTYPES["bf16" if amp == "fp8" else amp])
+
+
+def fp8_problem(device: torch.device) -> str | None:
+    """Why amp=fp8 cannot run on ``device`` (one line naming the fix), or None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"amp=fp8 needs a CUDA GPU with FP8 tensor cores, not {device.type}; use amp=bf16"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        return (f"amp=fp8 needs FP8 tensor cores (compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}+: Ada, "
+                f"Hopper or later); this GPU has {capability[0]}.{capability[1]}: use amp=bf16")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as e:
+        return f"amp=fp8 runs torchao's float8 training, which does not import ({e}): pip install torchao"
+    return None
+
+
+def fp8_linears(model: nn.Module, min_features: int = FP8_MIN_FEATURES) -> list[str]:
+    """Swaps, in place, every nn.Linear with both dimensions at least ``min_features`` and multiples of 16 for
+    torchao's Float8Linear (the same parameters; its matmuls cast inputs, weights and output gradients to FP8 with
+    dynamic per-tensor scales, and accumulate in higher precision); returns the swapped layers' names. Works on any
+    device; running the model needs fp8_problem(device) to be None."""
+    from torchao.float8 import convert_to_float8_training
+
+    swapped: list[str] = []
+
+    def large(module: nn.Module, name: str) -> bool:
+        take = (isinstance(module, nn.Linear) and min(module.in_features, module.out_features) >= min_features
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        if take:
+            swapped.append(name)
+        return take
+
+    convert_to_float8_training(model, module_filter_fn=large)
+    return swapped

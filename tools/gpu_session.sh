@@ -21,6 +21,8 @@
 #                                       # train.py with each and on synthetic data, eval.py top-1 with each decode path;
 #                                       # table in $OUT/data/bench_data.md (DATA_ARGS: more overrides, e.g.
 #                                       # "loader.cpu_workers=[16] loader.gpu_workers=[8]")
+#   bash tools/gpu_session.sh fp8       # train.amp=fp8 against bf16: scripts/check_fp8.py (losses), then grid=fp8 for
+#                                       # Swin-T, Swin-B 224 and Swin-B 384
 #   bash tools/gpu_session.sh backbone  # features_only models at 800x1216 against timm's (grid=backbone): Swin-T,
 #                                       # Swin-B 384 (window 12), Swin V2-T (768x1280)
 #   SCALING_PROCS="1 2" bash tools/gpu_session.sh scaling  # scripts/bench_scaling.py: train.py's step under torchrun
@@ -38,9 +40,9 @@
 # Offline wheels: on a machine without a package index, put the missing wheels (e.g. hydra-core, omegaconf,
 # pytest-xdist, execnet) in .whl/ at the repository root (ignored by git); they are installed into /tmp/site first.
 set -uo pipefail
-STAGES="tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side|scaling|backbone"
+STAGES="tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side|scaling|backbone|fp8"
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side|scaling|backbone) ;;
+  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side|scaling|backbone|fp8) ;;
   *) echo "usage: bash tools/gpu_session.sh $STAGES" >&2
      exit 2 ;;
 esac
@@ -181,6 +183,15 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
         train.compile=true train.compile_mode=$mode ${SCALING_ARGS:-} 2>&1 | tee "$OUT/scaling_$mode.txt"
       cp "$OUT/scaling_$mode/scaling.md" "$OUT/scaling_$mode.md" 2>/dev/null
     done; true ;;
+  fp8)
+    # train.amp=fp8 (torchao: carry its wheel in .whl) against bf16: the loss check on a task that learns, then the
+    # benchmark rows of Swin-T, Swin-B 224 and Swin-B 384
+    python scripts/check_fp8.py --out "$OUT/check_fp8" 2>&1 | tee "$OUT/check_fp8.txt"
+    python scripts/benchmark.py grid=fp8 out_dir="$OUT/fp8_swin_t" ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S}
+    python scripts/benchmark.py grid=fp8 model=swin_base_patch4_window7_224 out_dir="$OUT/fp8_swin_b224" \
+      ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S}
+    python scripts/benchmark.py grid=fp8 model=swin_base_patch4_window12_384 grid.batch_size=[64] \
+      out_dir="$OUT/fp8_swin_b384" ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S} ;;
   backbone)
     # features_only models at detection size, ours against timm's, CUDA graphs on both sides: Swin-T and the Swin-B
     # 384 weights (window 12) at 800x1216, Swin V2-T at 768x1280 (timm's V2 does not pad windows)

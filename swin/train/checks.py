@@ -13,7 +13,7 @@ from swin.config import ConfigError, ModelConfig, TrainAppConfig, to_settings
 from swin.data.datasets import check_decode
 from swin.models.attention import check_backend
 from swin.models.registry import MODEL_CONFIGS, architecture, config_overrides
-from swin.precision import AMP_CHOICES
+from swin.precision import TRAIN_AMP_CHOICES, fp8_problem
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
@@ -96,8 +96,10 @@ def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torc
         raise ConfigError(f"train.compile={t.compile!r}: use auto (compile on CUDA), true or false")
     if t.compile_mode not in ("auto", *COMPILE_MODES):
         raise ConfigError(f"train.compile_mode={t.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}, or auto")
-    if t.amp not in AMP_CHOICES:
-        raise ConfigError(f"train.amp={t.amp!r}: use auto, bf16, fp16 or fp32")
+    if t.amp not in TRAIN_AMP_CHOICES:
+        raise ConfigError(f"train.amp={t.amp!r}: use auto, bf16, fp16, fp32 or fp8")
+    if t.amp == "fp8" and (problem := fp8_problem(device)):
+        raise ConfigError("train." + problem.replace("amp=", "train.amp="))
     try:
         check_backend(m.attention, device)
     except ValueError as e:

@@ -19,7 +19,7 @@ from swin.config import ConfigError, TrainAppConfig, TrainConfig, as_folder
 from swin.data.datasets import augment_mode, build_datasets, decode_mode
 from swin.data.loaders import build_loaders, worker_count
 from swin.models.registry import config_overrides, create_model
-from swin.precision import autocast, resolve_amp
+from swin.precision import TRAIN_AMP_CHOICES, autocast, fp8_linears, resolve_amp
 from swin.train.checks import FUSED_OPTS, compile_mode, model_arch
 from swin.train.distributed import DistInfo, seed_everything
 from swin.train.guard import EmaUpdater, StepStats, supports_found_inf
@@ -132,11 +132,18 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
         raise ConfigError(f"model.num_classes={num_classes} but the data has {data.num_classes} classes; "
                           "set model.num_classes=null to follow the data")
     raw_model = _build_model(cfg, dist, num_classes)
+    amp = resolve_amp(t.amp, device, TRAIN_AMP_CHOICES)
+    if amp == "fp8":  # before the optimizer, EMA and compilation see the model (the parameters stay the same)
+        swapped = fp8_linears(raw_model)
+        log.info(f"train.amp=fp8: {len(swapped)} linear layers run their matmuls in FP8 (torchao float8 training), "
+                 "the rest under bf16 autocast")
+        if not swapped:
+            log.warning("train.amp=fp8: no linear layer of this model is large enough to gain from FP8 (both "
+                        "dimensions 1024 or more: Swin-B, Swin-L); it trains as with train.amp=bf16")
     n_params = sum(p.numel() for p in raw_model.parameters())
     log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, attention {raw_model.attention}")
     optimizer, scheduler = _build_optimizer(cfg, raw_model, device, steps_per_epoch)
     criterion, mixup = _build_criterion(t, num_classes)
-    amp = resolve_amp(t.amp, device)
     ema = ModelEmaV3(raw_model, decay=t.ema_decay) if t.ema else None
     mode = compile_mode(t.compile, t.compile_mode, device, t.accum_steps)
     fwd_model: nn.Module = torch.compile(raw_model, mode=mode) if mode else raw_model
