@@ -10,10 +10,6 @@ import torch.nn as nn
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 AMP_CHOICES = ("auto", *AMP_DTYPES)
 TRAIN_AMP_CHOICES = (*AMP_CHOICES, "fp8")
-# FP8 pays only where a GEMM is large enough for its faster math to outweigh the scaling and casting around it:
-# layers with both dimensions at least this (Swin-B's and Swin-L's last stages and MLPs); FP8 GEMMs also need
-# multiples of 16 (a 1000-class head is left alone)
-FP8_MIN_FEATURES = 1024
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and later
 
 
@@ -51,21 +47,30 @@ def fp8_problem(device: torch.device) -> str | None:
     return None
 
 
-def fp8_linears(model: nn.Module, min_features: int = FP8_MIN_FEATURES) -> list[str]:
-    """Swaps, in place, every nn.Linear with both dimensions at least ``min_features`` and multiples of 16 for
-    torchao's Float8Linear (the same parameters; its matmuls cast inputs, weights and output gradients to FP8 with
-    dynamic per-tensor scales, and accumulate in higher precision); returns the swapped layers' names. Works on any
-    device; running the model needs fp8_problem(device) to be None."""
+def fp8_pays(in_features: int, out_features: int) -> bool:
+    """Whether a linear layer gains from FP8: torchao's rule for per-tensor scales (below it the scaling and casting
+    around the GEMM cost more than its faster math saves: in_features <= 4096 with out_features <= 1024), and
+    dimensions that are multiples of 16, as FP8 GEMMs need (a 1000-class head is left alone)."""
+    return (in_features % 16 == 0 and out_features % 16 == 0
+            and not (in_features <= 4096 and out_features <= 1024))
+
+
+def fp8_linears(model: nn.Module) -> list[str]:
+    """Swaps, in place, every nn.Linear where fp8_pays for torchao's Float8Linear (the same parameters; its matmuls
+    cast inputs, weights and output gradients to FP8 with dynamic per-tensor scales and accumulate in higher
+    precision); returns the swapped layers' names. Layers whose weight the model reads itself
+    (``weight_read_directly``, e.g. Swin V2's qkv, whose biases F.linear adds) are left alone: swapping them would
+    change nothing. Works on any device; running the model needs fp8_problem(device) to be None."""
     from torchao.float8 import convert_to_float8_training
 
     swapped: list[str] = []
 
-    def large(module: nn.Module, name: str) -> bool:
-        take = (isinstance(module, nn.Linear) and min(module.in_features, module.out_features) >= min_features
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
-        if take:
+    def take(module: nn.Module, name: str) -> bool:
+        chosen = (isinstance(module, nn.Linear) and not getattr(module, "weight_read_directly", False)
+                  and fp8_pays(module.in_features, module.out_features))
+        if chosen:
             swapped.append(name)
-        return take
+        return chosen
 
-    convert_to_float8_training(model, module_filter_fn=large)
+    convert_to_float8_training(model, module_filter_fn=take)
     return swapped

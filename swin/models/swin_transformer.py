@@ -56,6 +56,7 @@ def fc1_gelu_epilogue(x: torch.Tensor, fc1: nn.Linear, act: nn.Module) -> torch.
     (CPU, float32, training) fc1 and the exact GELU run as written.
     """
     if (torch.is_grad_enabled() or x.device.type not in EPILOGUE_DEVICES or fc1.bias is None
+            or type(fc1) is not nn.Linear  # e.g. FP8 (train.amp=fp8): its own forward computes something else
             or not isinstance(act, nn.GELU) or act.approximate not in ("none", "tanh")):
         return None
     weight, bias = fc1.weight, fc1.bias
@@ -182,6 +183,7 @@ class CosineWindowAttention(WindowAttentionBase):
         self.logit_scale = nn.Parameter(torch.full((num_heads, 1, 1), math.log(10.0)))
         self.cpb_mlp = nn.Sequential(nn.Linear(2, 512), nn.ReLU(inplace=True), nn.Linear(512, num_heads, bias=False))
         self.qkv = nn.Linear(dim, dim * 3, bias=False)
+        self.qkv.weight_read_directly = True  # backend_inputs adds q/v biases in F.linear: see precision.fp8_linears
         if qkv_bias:
             self.q_bias = nn.Parameter(torch.zeros(dim))
             self.register_buffer("k_bias", torch.zeros(dim), persistent=False)

@@ -99,7 +99,7 @@ def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torc
     if t.amp not in TRAIN_AMP_CHOICES:
         raise ConfigError(f"train.amp={t.amp!r}: use auto, bf16, fp16, fp32 or fp8")
     if t.amp == "fp8" and (problem := fp8_problem(device)):
-        raise ConfigError("train." + problem.replace("amp=", "train.amp="))
+        raise ConfigError(problem.replace("amp=", "train.amp="))
     try:
         check_backend(m.attention, device)
     except ValueError as e:

@@ -138,8 +138,8 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
         log.info(f"train.amp=fp8: {len(swapped)} linear layers run their matmuls in FP8 (torchao float8 training), "
                  "the rest under bf16 autocast")
         if not swapped:
-            log.warning("train.amp=fp8: no linear layer of this model is large enough to gain from FP8 (both "
-                        "dimensions 1024 or more: Swin-B, Swin-L); it trains as with train.amp=bf16")
+            log.warning("train.amp=fp8: no linear layer of this model is large enough to gain from FP8 "
+                        "(swin.precision.fp8_pays); it trains as with train.amp=bf16")
     n_params = sum(p.numel() for p in raw_model.parameters())
     log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, attention {raw_model.attention}")
     optimizer, scheduler = _build_optimizer(cfg, raw_model, device, steps_per_epoch)
