@@ -31,19 +31,19 @@ def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManage
     return torch.autocast(device.type, dtype=AMP_DTYPES["bf16" if amp == "fp8" else amp])
 
 
-def fp8_problem(device: torch.device) -> str | None:
-    """Why amp=fp8 cannot run on ``device`` (one line naming the fix), or None."""
+def fp8_problem(device: torch.device, key: str = "amp") -> str | None:
+    """Why ``key``=fp8 cannot run on ``device`` (one line naming the fix), or None."""
     device = torch.device(device)
     if device.type != "cuda":
-        return f"amp=fp8 needs a CUDA GPU with FP8 tensor cores, not {device.type}; use amp=bf16"
+        return f"{key}=fp8 needs a CUDA GPU with FP8 tensor cores, not {device.type}; use {key}=bf16"
     capability = torch.cuda.get_device_capability(device)
     if capability < FP8_CAPABILITY:
-        return (f"amp=fp8 needs FP8 tensor cores (compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}+: Ada, "
-                f"Hopper or later); this GPU has {capability[0]}.{capability[1]}: use amp=bf16")
+        return (f"{key}=fp8 needs FP8 tensor cores (compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}+: "
+                f"Ada, Hopper or later); this GPU has {capability[0]}.{capability[1]}: use {key}=bf16")
     try:
         import torchao.float8  # noqa: F401
     except ImportError as e:
-        return f"amp=fp8 runs torchao's float8 training, which does not import ({e}): pip install torchao"
+        return f"{key}=fp8 runs torchao's float8 training, which does not import ({e}): pip install torchao"
     return None
 
 

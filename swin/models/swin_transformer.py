@@ -243,14 +243,11 @@ class SwinTransformerBlock(nn.Module):
                  attention: str = "sdpa", recompute_mlp_act: bool = True, version: int = 1,
                  pretrained_window_size: tuple[int, int] = (0, 0)):
         super().__init__()
-        self.feat_size = feat_size
         self.recompute_mlp_act = recompute_mlp_act
         self.fused_mlp_act = True  # SwinTransformer.set_fused_mlp_act
         self.post_norm = version == 2
         self.shifts = shift  # every other block: by half a window, where the window is smaller than the map
-        target_shift = tuple(w // 2 for w in window_size) if shift else (0, 0)
-        # window and shift are fixed at construction from the nominal feature size (timm semantics)
-        self.window_size, self.shift_size = clamp_window_and_shift(feat_size, window_size, target_shift)
+        self._set_geometry(feat_size, window_size)
         self.norm1 = nn.LayerNorm(dim)
         if version == 2:
             self.attn = CosineWindowAttention(dim, num_heads, self.window_size, qkv_bias, attention,
@@ -264,12 +261,17 @@ class SwinTransformerBlock(nn.Module):
         spec = self.spec_for(feat_size)
         self.register_buffer("attn_mask", shifted_window_mask(spec), persistent=False)
 
-    def set_input_size(self, feat_size: tuple[int, int], window_size: tuple[int, int]) -> None:
-        """Another nominal feature size and window (SwinTransformer.set_input_size): window and shift clamped as
-        at construction, the attention's position bias and the shifted-window mask made for them."""
+    def _set_geometry(self, feat_size: tuple[int, int], window_size: tuple[int, int]) -> None:
+        """The nominal feature size, and the window and shift clamped to it: fixed until set_input_size, whatever
+        size an input has (timm semantics)."""
         self.feat_size = feat_size
         target_shift = tuple(w // 2 for w in window_size) if self.shifts else (0, 0)
         self.window_size, self.shift_size = clamp_window_and_shift(feat_size, window_size, target_shift)
+
+    def set_input_size(self, feat_size: tuple[int, int], window_size: tuple[int, int]) -> None:
+        """Another nominal feature size and window (SwinTransformer.set_input_size): window and shift clamped as
+        at construction, the attention's position bias and the shifted-window mask made for them."""
+        self._set_geometry(feat_size, window_size)
         self.attn.set_window_size(self.window_size)
         device = self.norm1.weight.device
         self.register_buffer("attn_mask", shifted_window_mask(self.spec_for(feat_size), device), persistent=False)
@@ -380,7 +382,7 @@ class SwinTransformerStage(nn.Module):
                  pretrained_window_size: tuple[int, int] = (0, 0)):
         super().__init__()
         self.downsample = PatchMerging(dim, out_dim, norm_after=version == 2) if downsample else nn.Identity()
-        self.out_size = tuple((s + 1) // 2 for s in in_size) if downsample else in_size
+        self.out_size = self._out_size(in_size)
         self.grad_checkpointing = False
         self.blocks = nn.Sequential(*[
             SwinTransformerBlock(out_dim, self.out_size, num_heads, window_size, shift=i % 2 == 1,
@@ -389,10 +391,13 @@ class SwinTransformerStage(nn.Module):
                                  pretrained_window_size=pretrained_window_size)
             for i in range(depth)])
 
+    def _out_size(self, in_size: tuple[int, int]) -> tuple[int, int]:
+        """The blocks' feature size: the input's, halved (rounded up) where the stage starts with a merge."""
+        return in_size if isinstance(self.downsample, nn.Identity) else tuple((s + 1) // 2 for s in in_size)
+
     def set_input_size(self, in_size: tuple[int, int], window_size: tuple[int, int]) -> tuple[int, int]:
         """Another input size and window for the stage's blocks; returns the stage's output size."""
-        self.out_size = tuple((s + 1) // 2 for s in in_size) if not isinstance(self.downsample, nn.Identity) \
-            else in_size
+        self.out_size = self._out_size(in_size)
         for block in self.blocks:
             block.set_input_size(self.out_size, window_size)
         return self.out_size
@@ -496,7 +501,7 @@ class SwinTransformer(nn.Module):
         self._ref_window_sizes = (self.window_size,) * self.num_layers
         self._ref_grid_size = tuple(self.patch_embed.grid_size)
         # what each stage hands a dense head (timm's feature_info: features_only, forward_intermediates)
-        self.feature_info = [dict(num_chs=dims[i], reduction=self.patch_size[0] * 2 ** i, module=f"layers.{i}")
+        self.feature_info = [dict(num_chs=dims[i], reduction=self._reduction(i), module=f"layers.{i}")
                              for i in range(self.num_layers)]
         self.norm = nn.LayerNorm(self.num_features)
         self.head = ClassifierHead(self.num_features, num_classes, pool_type="avg", drop_rate=drop_rate,
@@ -551,6 +556,10 @@ class SwinTransformer(nn.Module):
         for stage in self.layers:
             stage.grad_checkpointing = enable
 
+    def _reduction(self, stage: int) -> int:
+        """How many input pixels a step of the stage's map spans (timm's feature_info reduction)."""
+        return self.patch_size[0] * 2 ** stage
+
     def get_classifier(self) -> nn.Module:
         return self.head.fc
 
@@ -584,7 +593,7 @@ class SwinTransformer(nn.Module):
             self.img_size, self.patch_size = tuple(self.patch_embed.img_size), tuple(self.patch_embed.patch_size)
         if patch_size is not None:
             for i, info in enumerate(self.feature_info):
-                info["reduction"] = max(self.patch_size) * 2 ** i
+                info["reduction"] = self._reduction(i)
         if window_size is not None or window_ratio is not None:
             self._ref_window_sizes, self._ref_grid_size = windows, grid
         size = grid

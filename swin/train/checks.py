@@ -98,8 +98,8 @@ def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torc
         raise ConfigError(f"train.compile_mode={t.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}, or auto")
     if t.amp not in TRAIN_AMP_CHOICES:
         raise ConfigError(f"train.amp={t.amp!r}: use auto, bf16, fp16, fp32 or fp8")
-    if t.amp == "fp8" and (problem := fp8_problem(device)):
-        raise ConfigError(problem.replace("amp=", "train.amp="))
+    if t.amp == "fp8" and (problem := fp8_problem(device, "train.amp")):
+        raise ConfigError(problem)
     try:
         check_backend(m.attention, device)
     except ValueError as e:
