@@ -63,7 +63,7 @@ _I32 = (-2**31, 2**31)
 def _specialization(args: tuple) -> tuple:
     """What Triton specialises a launch on, per positional argument: a tensor's dtype and 16-byte alignment, an
     integer's being 1, a multiple of 16 and 32-bit; a float's type; anything else by value. (A loop testing the
-    exact type first: it runs per eager launch, and this takes about 60% of a comprehension's time.)"""
+    exact type first: it runs per eager launch, and is cheaper than isinstance tests in a comprehension.)"""
     low, high = _I32
     key = []
     for a in args:

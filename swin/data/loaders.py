@@ -264,9 +264,9 @@ def _decoded_in_workers(ds: Dataset) -> bool:
     return type(_encoded_folder(ds)).__name__ == "DecodedImageFolder"
 
 
-# caps of data.num_workers=null: workers that decode on the GPU each hold a CUDA context, and 8 trained about as
-# fast as 4 or 6 (docs/performance.md); CPU decoding (~260 img/s a worker) feeds one GPU with fewer than 32, and the
-# evaluation loader starts as many again
+# caps of data.num_workers=null: workers that decode on the GPU each hold a CUDA context, and more did not train
+# faster (docs/performance.md); CPU-decoding workers beyond 32 add processes (the evaluation loader starts as many
+# again) more than speed
 GPU_DECODE_WORKERS = 8
 CPU_DECODE_WORKERS = 32
 
