@@ -228,6 +228,9 @@ class EvalAppConfig:
     device: str = key("auto (cuda if available) | cpu | cuda")
     batch_size: int = key("images per batch and process")
     amp: str = key("precision: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32")
+    compile: Any = key("torch.compile the model: auto (on CUDA, for at least compile_min_images images per "
+                       "process) | true | false")
+    compile_min_images: int = key("compile=auto: the images per process from which compiling pays for its time")
     progress: bool = key("progress bar on the console")
     output: str | None = key("results file (JSON); null: <run dir>/eval_results.json")
 

@@ -28,6 +28,7 @@ from timm.models import get_pretrained_cfg
 from torch.utils.data import Dataset, Subset
 
 from swin.config import (
+    ConfigError,
     DataConfig,
     DigitsDataConfig,
     EvalAppConfig,
@@ -66,9 +67,25 @@ def _raise_targets(lo: int, hi: int, num_classes: int) -> None:
 
 
 @torch.no_grad()
+def eval_compile_mode(setting: Any, device: torch.device | str, images: int, min_images: int) -> str | None:
+    """The torch.compile mode eval.compile asks for, or None (eager): true compiles (CUDA graphs on CUDA, the
+    default mode elsewhere); auto only on CUDA and where this process evaluates at least ``min_images`` images,
+    the run size on which compiling pays for the time it takes (docs/performance.md). ConfigError for another
+    value."""
+    if setting not in ("auto", True, False):
+        raise ConfigError(f"compile={setting!r}: use auto (compile on CUDA for runs of at least compile_min_images "
+                          "images), true or false")
+    if min_images < 0:
+        raise ConfigError(f"compile_min_images={min_images}: use a number of images >= 0")
+    cuda = torch.device(device).type == "cuda"
+    if setting is False or (setting == "auto" and not (cuda and images >= min_images)):
+        return None
+    return "reduce-overhead" if cuda else "default"
+
+
 def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str = "cpu", amp: str | None = None,
              progress: bool = True, total: int | None = None, desc: str = "eval",
-             channels_last: bool = False) -> dict[str, Any]:
+             channels_last: bool = False, compiled: nn.Module | None = None) -> dict[str, Any]:
     """Top-1 / top-5 accuracy (percent), mean cross-entropy loss and images/s of ``model`` on ``loader``.
 
     ``loader`` yields (images, integer targets[, skipped unreadable images]), on the host or already on
@@ -76,6 +93,9 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
     shard: every sum is all-reduced, so all processes get the whole set's numbers.
     ``total``: number of images on this process, for the progress bar.
     ``amp``: None/'fp32', 'bf16' or 'fp16' autocast ('fp8': bf16); logits are upcast to fp32 for loss and ranking.
+    ``compiled``: ``torch.compile(model)``, run on the batches of the first batch's size; another size (the last,
+    partial batch) runs ``model`` eagerly rather than compiling a second graph. The result's compile_seconds is
+    the first batch's time with it (compiling included).
     """
     device = torch.device(device)
     was_training = model.training
@@ -90,6 +110,7 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
     # reused by every batch; fp8: a model training with train.amp=fp8 (its FP8 layers cast for themselves)
     amp_context = autocast(device, resolve_amp(amp or "fp32", device, TRAIN_AMP_CHOICES))
     start = time.perf_counter()
+    compiled_size, compile_seconds = None, None
     try:
         for i, batch in enumerate(loader):
             images, targets = batch[0], batch[1]
@@ -102,8 +123,14 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
             targets = targets.to(device, non_blocking=True)
             if channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
+            if compiled is not None and compiled_size is None:
+                compiled_size, first = images.shape[0], time.perf_counter()
             with amp_context:
-                logits = model(images)
+                logits = (compiled if images.shape[0] == compiled_size else model)(images)
+            if compiled is not None and compile_seconds is None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                compile_seconds = time.perf_counter() - first
             logits = logits.float()
             num_classes = logits.shape[-1]
             if on_host and (lo < 0 or hi >= num_classes):
@@ -152,6 +179,7 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
         "skipped_images": int(sums[4].item()),
         "seconds": times.item(),
         "images_per_sec": count / times.item() if times.item() > 0 else math.inf,
+        "compile_seconds": compile_seconds,
     }
 
 
@@ -287,17 +315,26 @@ def run_eval(cfg: EvalAppConfig | DictConfig, run_dir: str | os.PathLike,
         # data.decode=gpu, JPEG files decoded and resized on the device)
         loader = build_eval_loader(val, data_cfg, dist.device, dist.rank, dist.world_size, cfg.batch_size, mean, std)
         amp = resolve_amp(cfg.amp, dist.device)
+        shard = len(range(dist.rank, len(val), dist.world_size))
+        mode = eval_compile_mode(cfg.compile, dist.device, shard, cfg.compile_min_images)
         if dist.is_main:
             log.info(f"model {model_cfg.name} ({num_classes} classes, img_size {model.img_size}, window "
                      f"{model.window_size}, attention {model.attention}); data {data_cfg.name}: {len(val)} images, "
                      f"{dist.world_size} process(es), {amp}; transforms from {transforms_from}"
                      + (f" {transforms}" if transforms else ""))
+            why = (f" (compile=auto: compiles on CUDA for at least {cfg.compile_min_images} images per process)"
+                   if cfg.compile == "auto" and mode is None else "")
+            log.info(f"torch.compile: {mode} mode (compiles during the first batch)" if mode
+                     else f"torch.compile: off{why}")
         metrics = evaluate(model, loader, device=dist.device, amp=amp, progress=cfg.progress and dist.is_main,
-                           total=len(range(dist.rank, len(val), dist.world_size)))
+                           total=shard, compiled=torch.compile(model, mode=mode) if mode else None)
+        if dist.is_main and metrics["compile_seconds"] is not None:
+            log.info(f"torch.compile: the first batch took {metrics['compile_seconds']:.1f} s, compiling included")
         folder = as_folder(data_cfg)
         results = {
             **{k: metrics[k] for k in ("top1", "top5", "loss", "images_per_sec", "num_images", "skipped_images",
-                                       "seconds", "top5_k")},
+                                       "seconds", "top5_k", "compile_seconds")},
+            "compile_mode": mode,
             "decode": decode_mode(data_cfg), "cpu_decoded_images": loader.cpu_decoded,
             "checkpoint": str(cfg.checkpoint), "checkpoint_kind": ckpt.kind, "weights": ckpt.weights,
             "checkpoint_meta": ckpt.meta, "resized_bias_tables": len(report.resized),
@@ -320,4 +357,6 @@ def run_eval(cfg: EvalAppConfig | DictConfig, run_dir: str | os.PathLike,
         cleanup()
 
 
-__all__ = ["build_eval_dataset", "eval_transform_settings", "evaluate", "overridden_groups", "run_eval"]
+__all__ = [
+    "build_eval_dataset", "eval_compile_mode", "eval_transform_settings", "evaluate", "overridden_groups", "run_eval",
+]

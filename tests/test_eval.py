@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import swin
 import swin.config  # noqa: F401  (registers the config schemas before compose)
-from swin.config import to_settings
-from swin.evaluate import evaluate, overridden_groups, run_eval
+from swin.config import ConfigError, to_settings
+from swin.evaluate import eval_compile_mode, evaluate, overridden_groups, run_eval
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = dict(img_size=16, patch_size=2, window_size=4, embed_dim=32, depths=(2, 2), num_heads=(2, 4),
@@ -59,6 +59,36 @@ def test_evaluate_matches_reference_with_uneven_batches():
     assert res["images_per_sec"] > 0
     with pytest.raises(ValueError, match="do not fit a model with 7 classes"):
         evaluate(model, DataLoader(TensorDataset(x, torch.full((53,), 9)), batch_size=10), progress=False)
+
+
+def test_compiled_evaluation_runs_the_tail_eagerly():
+    """evaluate(compiled=...): the batches of the first batch's size run the compiled model (one graph), the last,
+    partial batch the eager one; the numbers are the eager evaluation's."""
+    from torch._dynamo.testing import CompileCounter
+
+    model = swin.create_model("swin_micro", num_classes=7).eval()
+    x, y = torch.randn(53, 3, 16, 16), torch.randint(0, 7, (53,))
+    loader = DataLoader(TensorDataset(x, y), batch_size=10)  # last batch of 3
+    eager = evaluate(model, loader, progress=False)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    res = evaluate(model, loader, progress=False, compiled=torch.compile(model, backend=counter))
+    assert counter.frame_count == 1  # the partial batch did not compile a second graph
+    for k in ("top1", "top5", "loss", "num_images"):
+        assert res[k] == pytest.approx(eager[k], rel=1e-5)
+    assert eager["compile_seconds"] is None and res["compile_seconds"] > 0
+
+
+def test_eval_compile_policy():
+    assert eval_compile_mode("auto", "cpu", 10**7, 1000) is None  # the CPU stays eager
+    assert eval_compile_mode("auto", "cuda", 999, 1000) is None  # too few images to win the compile time back
+    assert eval_compile_mode("auto", "cuda", 1000, 1000) == "reduce-overhead"
+    assert eval_compile_mode(True, "cpu", 1, 1000) == "default"
+    assert eval_compile_mode(False, "cuda", 10**7, 0) is None
+    with pytest.raises(ConfigError, match="compile='yes': use auto"):
+        eval_compile_mode("yes", "cuda", 1, 0)
+    with pytest.raises(ConfigError, match="compile_min_images=-1"):
+        eval_compile_mode("auto", "cuda", 1, -1)
 
 
 def test_overridden_groups():

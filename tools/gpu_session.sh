@@ -23,8 +23,9 @@
 #                                       # "loader.cpu_workers=[16] loader.gpu_workers=[8]")
 #   bash tools/gpu_session.sh fp8       # train.amp=fp8 against bf16: scripts/check_fp8.py (losses), then grid=fp8 for
 #                                       # Swin-T, Swin-B 224 and Swin-B 384
-#   bash tools/gpu_session.sh backbone  # features_only models at 800x1216 against timm's (grid=backbone): Swin-T,
-#                                       # Swin-B 384 (window 12), Swin V2-T (768x1280)
+#   BACKBONE_MODELS=t bash tools/gpu_session.sh backbone  # features_only models at 800x1216 against timm's
+#                                       # (grid=backbone): Swin-T (t), Swin-B 384 at window 12 (b384), Swin V2-T at
+#                                       # 768x1280 (v2t); all three by default, more than one call's ten minutes
 #   SCALING_PROCS="1 2" bash tools/gpu_session.sh scaling  # scripts/bench_scaling.py: train.py's step under torchrun
 #                                       # per process count, CUDA graphs and default compile (SCALING_MODEL, default
 #                                       # swin_tiny_patch4_window7_224; SCALING_BATCH per process, default 128;
@@ -81,10 +82,14 @@ case "$1" in
       tests/test_mlp_act.py tests/test_merge_norm.py tests/test_backbone.py tests/test_kernel_launch.py \
       -k "flash or gpu or autocast" 2>&1 \
       | tee "$OUT/gpu_tests.txt"
+    kernel_tests=$?
     # the training step never syncs (CUDA sync debug mode); the side-stream loader and the batch ring keep batches
     # intact
     python -m pytest -q -m gpu tests/test_train_guard.py tests/test_data.py tests/test_batch_ring.py 2>&1 \
-      | tee "$OUT/gpu_loop_tests.txt" ;;
+      | tee "$OUT/gpu_loop_tests.txt"
+    loop_tests=$?
+    # the stage fails where either file failed (pipefail: pytest's status, not tee's)
+    [ "$kernel_tests" = 0 ] && [ "$loop_tests" = 0 ] || exit 1 ;;
   kernel)
     # the paper's kernel (github.com/zzd1992/FlashWindowAttention) is a row where FWA_PAPER_PATH holds a checkout
     export FWA_PAPER_PATH=${FWA_PAPER_PATH:-$PWD/.paper}
@@ -194,12 +199,18 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
       out_dir="$OUT/fp8_swin_b384" ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S} ;;
   backbone)
     # features_only models at detection size, ours against timm's, CUDA graphs on both sides: Swin-T and the Swin-B
-    # 384 weights (window 12) at 800x1216, Swin V2-T at 768x1280 (timm's V2 does not pad windows)
-    python scripts/benchmark.py grid=backbone out_dir="$OUT/backbone_swin_t" ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S}
-    python scripts/benchmark.py grid=backbone model=swin_base_patch4_window12_384 out_dir="$OUT/backbone_swin_b384" \
-      ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S}
-    python scripts/benchmark.py grid=backbone model=swinv2_tiny_window8_256 model.img_size=[768,1280] \
-      out_dir="$OUT/backbone_swinv2_t" ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S} ;;
+    # 384 weights (window 12) at 800x1216, Swin V2-T at 768x1280 (timm's V2 does not pad windows). Each model
+    # compiles for minutes: BACKBONE_MODELS picks some of "t b384 v2t" (all by default) to fit a call.
+    for m in ${BACKBONE_MODELS:-t b384 v2t}; do
+      case $m in
+        t) args="" ;;
+        b384) args="model=swin_base_patch4_window12_384" ;;
+        v2t) args="model=swinv2_tiny_window8_256 model.img_size=[768,1280]" ;;
+        *) echo "BACKBONE_MODELS: unknown model '$m' (t, b384 or v2t)" >&2; exit 2 ;;
+      esac
+      python scripts/benchmark.py grid=backbone $args out_dir="$OUT/backbone_$m" \
+        ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S}
+    done ;;
   data)
     # the pipeline's GPU tests, then the batched crop kernel on CUDA (its CPU tests run it in the interpreter)
     python -m pytest -q -m gpu --durations=5 tests/test_gpu_data.py tests/test_data.py tests/test_batch_ring.py 2>&1 \
