@@ -12,6 +12,8 @@
 #   E2E_MODEL=384 bash tools/gpu_session.sh e2e-base  # Swin-B 384 (or 224; both when unset) end to end, grid=best
 #   V2_MODEL=swinv2_base_window16_256 V2_BATCH=64 bash tools/gpu_session.sh e2e-v2  # Swin V2 against timm's V2,
 #                                       # grid=swinv2 (default: swinv2_tiny_window8_256, b64 and b128)
+#   bash tools/gpu_session.sh eager     # eager mode, ours against timm at batch 1, 8 and 128 (grid=eager): Swin-T
+#                                       # and Swin V2-T
 #   bash tools/gpu_session.sh loop      # train.py against its own model step: the compiled model step
 #                                       # (scripts/benchmark.py grid=loop), train.py on synthetic data compiled and
 #                                       # eager, and the ImageNet recipe on a generated JPEG folder; table in
@@ -41,9 +43,9 @@
 # Offline wheels: on a machine without a package index, put the missing wheels (e.g. hydra-core, omegaconf,
 # pytest-xdist, execnet) in .whl/ at the repository root (ignored by git); they are installed into /tmp/site first.
 set -uo pipefail
-STAGES="tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side|scaling|backbone|fp8"
+STAGES="tests|kernel|e2e|e2e-base|e2e-v2|eager|loop|data|train-side|scaling|backbone|fp8"
 case "${1:-}" in
-  tests|kernel|e2e|e2e-base|e2e-v2|loop|data|train-side|scaling|backbone|fp8) ;;
+  tests|kernel|e2e|e2e-base|e2e-v2|eager|loop|data|train-side|scaling|backbone|fp8) ;;
   *) echo "usage: bash tools/gpu_session.sh $STAGES" >&2
      exit 2 ;;
 esac
@@ -118,6 +120,11 @@ case "$1" in
     M=${V2_MODEL:-swinv2_tiny_window8_256}
     python scripts/benchmark.py grid=swinv2 model=$M grid.batch_size=[${V2_BATCH:-64,128}] profile.enabled=true \
       profile.top_kernels=25 out_dir="$OUT/$M" ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S} ;;
+  eager)
+    # eager mode, no compile: ours against timm at batch 1, 8 and 128 (grid=eager), Swin-T and Swin V2-T
+    python scripts/benchmark.py grid=eager out_dir="$OUT/eager_swin_t" ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S}
+    python scripts/benchmark.py grid=eager model=swinv2_tiny_window8_256 out_dir="$OUT/eager_swinv2_t" \
+      ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S} ;;
   loop)
     # run dirs (with their ~0.4 GB checkpoints) stay in /tmp; summary.json and train.log are copied to $OUT
     R=/tmp/loop; rm -rf "$R"; mkdir -p "$R"
