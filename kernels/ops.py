@@ -3,6 +3,9 @@ the CPU (TRITON_INTERPRET=1, for tests)."""
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -93,15 +96,135 @@ def launch_direct(kernel, grid: tuple[int, ...], *args, **keywords):
         compiled = compiled.result() if hasattr(compiled, "result") else compiled  # an asynchronous compile
         tail = tuple(keywords.get(p.name, p.default) for p in kernel.params[len(args):])
         _COMPILED[key] = (compiled, tail)
-        return compiled
-    compiled, tail = entry
-    stream = torch._C._cuda_getCurrentRawStream(device)
-    grid = (*grid, 1, 1)
-    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    metadata = compiled.launch_metadata(grid, stream, *args, *tail) if enter is not None else None
-    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata, enter,
-                 exit_, *args, *tail)
+    else:
+        compiled, tail = entry
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        enter, exit_ = launch_hooks()
+        grid3 = (*grid, 1, 1)
+        metadata = compiled.launch_metadata(grid3, stream, *args, *tail) if enter is not None else None
+        compiled.run(grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata, metadata,
+                     enter, exit_, *args, *tail)
+    if _ACTIVE.recording is not None:
+        _ACTIVE.recording.launches.append((compiled, (*grid, 1, 1)[:3], args, tail))
     return compiled
+
+
+def launch_hooks() -> tuple[Any, Any]:
+    """Triton's launch enter and exit hooks (profilers such as proton set them), each None where none is set: newer
+    Triton keeps them as a hook chain that is never None, and a launch given even an empty one builds its launch
+    metadata and calls back into Python."""
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return (enter if getattr(enter, "calls", enter) else None), (exit_ if getattr(exit_, "calls", exit_) else None)
+
+
+# --- replaying an eager call's launches -----------------------------------------------------------------------------
+class Recording:
+    """What launch_direct launched inside recording_launches(): per launch (compiled kernel, 3-D grid, positional
+    arguments, constexpr tail), and the scratch buffers (:func:`scratch`) the call allocated for its kernels."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple] = []
+        self.scratch: list[tuple[torch.Tensor, bool]] = []
+
+
+class _Active(threading.local):
+    recording: Recording | None = None
+
+
+_ACTIVE = _Active()
+
+
+@contextmanager
+def recording_launches() -> Iterator[Recording]:
+    """Records the direct launches (launch_direct) and scratch buffers this thread makes inside the block."""
+    previous, _ACTIVE.recording = _ACTIVE.recording, Recording()
+    try:
+        yield _ACTIVE.recording
+    finally:
+        _ACTIVE.recording = previous
+
+
+def scratch(shape: Sequence[int], dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
+    """A buffer a call's kernels use that is not one of its outputs (zeroed with ``zero``); a replay of the call
+    allocates it anew."""
+    buffer = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+    if _ACTIVE.recording is not None:
+        _ACTIVE.recording.scratch.append((buffer, zero))
+    return buffer
+
+
+def _aligned(tensors: Sequence[torch.Tensor | None]) -> tuple[bool, ...]:
+    return tuple(t is None or not t.data_ptr() & 15 for t in tensors)
+
+
+def _fresh(t: torch.Tensor) -> bool:
+    """A whole, contiguous buffer of its own (what torch.empty returns)."""
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t.is_contiguous() and t.storage_offset() == 0 and whole
+
+
+class LaunchReplay:
+    """The kernel launches of one eager call, replayed for a later call with the same signature: the same compiled
+    kernels, grids and non-tensor arguments, with the later call's tensors in their places and its outputs and
+    scratch buffers freshly allocated. Why: an eager op's Python (checks, plans, argument lists, Triton's
+    specialisation keys) costs the host more than its launches; a replay is the allocations and the launches.
+
+    The caller keys replays by everything the launches depend on besides the tensors' data: shapes, strides, dtypes,
+    device, scalars and tuning. :meth:`record` returns None where a call cannot be replayed: a tensor argument that
+    is neither an input, an output nor a scratch buffer (a copy made inside the call), an output that no launch
+    writes (made by a torch op) or that is not a fresh buffer, one tensor passed as two inputs, or a launch hook
+    (profilers such as proton) that wants every launch. The recorded kernels must write the outputs whole (a replay
+    allocates them uninitialised)."""
+
+    def __init__(self, recording: Recording, inputs: Sequence[torch.Tensor | None],
+                 outputs: Sequence[torch.Tensor]):
+        buffers = [b for b, _ in recording.scratch]
+        slots = {id(t): i for i, t in enumerate((*inputs, *outputs, *buffers)) if t is not None}
+        self.launches = []
+        for compiled, grid, args, tail in recording.launches:
+            tensor_slots = tuple((i, slots[id(a)]) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            fixed = [None if isinstance(a, torch.Tensor) else a for a in args]
+            self.launches.append((compiled, grid, fixed, tensor_slots, tail))
+        self.outputs = tuple((o.shape, o.dtype) for o in outputs)
+        self.scratch = tuple((b.shape, b.dtype, zero) for b, zero in recording.scratch)
+        self.device = outputs[0].device
+        self.current_device = torch.cuda.current_device()  # whose context the kernels were loaded in
+        self.aligned = _aligned(inputs)
+
+    @classmethod
+    def record(cls, recording: Recording, inputs: Sequence[torch.Tensor | None],
+               outputs: Sequence[torch.Tensor]) -> LaunchReplay | None:
+        """A replay of the call on ``inputs`` that returned ``outputs``, made in ``recording``
+        (recording_launches), or None where the call cannot be replayed."""
+        given = [id(t) for t in inputs if t is not None]
+        made = {id(t) for t in outputs} | {id(b) for b, _ in recording.scratch}
+        launched = {id(a) for _, _, args, _ in recording.launches for a in args if isinstance(a, torch.Tensor)}
+        if (not recording.launches or launch_hooks() != (None, None) or len(set(given)) < len(given)
+                or made & set(given) or not launched <= made | set(given)
+                or {id(o) for o in outputs} & {id(b) for b, _ in recording.scratch}
+                or not all(_fresh(o) and (id(o) in launched or o.numel() == 0) for o in outputs)):
+            return None
+        return cls(recording, inputs, outputs)
+
+    def __call__(self, inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor] | None:
+        """The outputs of the call on ``inputs``, or None where these inputs' 16-byte alignment differs from the
+        recorded call's (Triton compiled the kernels for it), another device is current or a launch hook is set:
+        then run the call itself."""
+        device = torch.cuda.current_device()
+        if _aligned(inputs) != self.aligned or device != self.current_device or launch_hooks() != (None, None):
+            return None
+        outputs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.outputs]
+        buffers = [(torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=self.device)
+                   for shape, dtype, zero in self.scratch]
+        slots = (*inputs, *outputs, *buffers)
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        for compiled, grid, fixed, tensor_slots, tail in self.launches:
+            args = fixed.copy()
+            for i, slot in tensor_slots:
+                args[i] = slots[slot]
+            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
+                         None, *args, *tail)
+        return outputs
 
 
 def kernel_op(name: str):

@@ -1,5 +1,7 @@
 """kernels.ops.launch_direct: eager launches call a cached compiled kernel, keyed on what Triton specialises on, so
-a later launch with other alignments or integer values must not reuse a variant compiled for different ones."""
+a later launch with other alignments or integer values must not reuse a variant compiled for different ones; and
+kernels.ops.LaunchReplay: an eager flash op call replays the launches of the first call of its signature, with the
+same results as running the op's Python."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ops import _specialization, cdiv, launch_direct, next_power_of_2
+import kernels.flash_window.launch as flash_launch
+from kernels.flash_window import flash_window_attention_image, plan
+from kernels.ops import LaunchReplay, Recording, _specialization, cdiv, launch_direct, next_power_of_2
+from swin.models.windows import WindowSpec, shifted_window_mask
 
 
 def test_specialization_key_separates_what_triton_specialises_on():
@@ -50,3 +55,67 @@ def test_gpu_cached_launches_follow_the_arguments():
             out.zero_()
             launch_direct(_axpb_kernel, (cdiv(n, 256),), x, out, n, a, b, BLOCK=256)
             torch.testing.assert_close(out, x * a + b, rtol=1e-6, atol=1e-6)
+
+
+def test_replay_refuses_calls_it_cannot_repeat():
+    """LaunchReplay.record says None (run the call's Python every time) for a launch argument made inside the call
+    that is neither an output nor a scratch buffer, an output no launch writes, an output that is a view, and one
+    tensor given as two inputs."""
+    x, copy, out, unwritten = torch.randn(8), torch.randn(8), torch.empty(8), torch.empty(4)
+
+    def recording(*args) -> Recording:
+        rec = Recording()
+        rec.launches.append((object(), (1, 1, 1), args, ()))
+        return rec
+
+    assert LaunchReplay.record(Recording(), (x,), (out,)) is None  # nothing launched
+    assert LaunchReplay.record(recording(copy, out), (x,), (out,)) is None  # copy: made inside, not an output
+    assert LaunchReplay.record(recording(x, out), (x,), (out, unwritten)) is None  # unwritten: a torch op's result
+    view = torch.empty(16)[4:12]
+    assert LaunchReplay.record(recording(x, view), (x,), (view,)) is None  # a view: not a fresh buffer
+    assert LaunchReplay.record(recording(x, out), (x, x), (out,)) is None  # one tensor, two inputs
+
+
+def _image_call(qkv, table, mask, qkv_bias, window, shift, grad_out):
+    """(out, dqkv, dtable) of one eager image-op call with autograd."""
+    qkv = qkv.detach().requires_grad_()
+    table = table.detach().requires_grad_()
+    out = flash_window_attention_image(qkv, table, mask, qkv_bias, window, shift, qkv.shape[-1] ** -0.5)
+    out.backward(grad_out)
+    return out.detach(), qkv.grad, table.grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feat, window, shifted, dtype, offset", [
+    ((56, 56), (7, 7), True, torch.bfloat16, 0),    # Swin-T stage 1
+    ((14, 14), (7, 7), False, torch.float32, 0),    # unshifted
+    ((20, 26), (7, 7), True, torch.float16, 0),     # padded: the fill's gradient is a torch op, not replayed
+    ((24, 24), (12, 12), True, torch.bfloat16, 1),  # 12x12 windows; qkv 2 bytes off 16-byte alignment
+])
+def test_gpu_replayed_calls_equal_the_ops_python(feat, window, shifted, dtype, offset):
+    """Eager forward+backward of the image op, first call (recorded), replayed calls on new data and the same call
+    with replay off give bitwise the same outputs and gradients (the same kernels on the same inputs); replay is on
+    for the forward always and for the backward where no torch op makes an output."""
+    heads, head_dim, batch = 3, 32, 2
+    shift = tuple(w // 2 for w in window) if shifted else (0, 0)
+    spec = WindowSpec(feat, window, shift)
+    mask = shifted_window_mask(spec, "cuda") if shifted else None
+    padded = spec.padded
+    flash_launch._REPLAYS.clear()
+    try:
+        for call in range(3):
+            size = batch * feat[0] * feat[1] * 3 * heads * head_dim
+            qkv = torch.randn(size + offset, device="cuda", dtype=dtype)[offset:].view(batch, *feat, 3, heads, head_dim)
+            table = torch.randn((2 * window[0] - 1) * (2 * window[1] - 1), heads, device="cuda")
+            qkv_bias = torch.randn(3, heads, head_dim, device="cuda")  # padded tokens' k and v
+            grad_out = torch.randn(batch, *feat, heads, head_dim, device="cuda", dtype=dtype)
+            got = _image_call(qkv, table, mask, qkv_bias, window, shift, grad_out)
+            plan.set_tuning(plan.Tuning(replay=False))
+            expected = _image_call(qkv, table, mask, qkv_bias, window, shift, grad_out)
+            plan.set_tuning(plan.Tuning())
+            for g, e in zip(got, expected):
+                assert torch.equal(g, e), f"call {call}: replayed result differs"
+        kinds = {key[0].__name__: bool(replay) for key, replay in flash_launch._REPLAYS.items()}
+        assert kinds == {"_image_forward": True, "_image_backward": not padded}
+    finally:
+        plan.set_tuning(plan.Tuning.from_env())

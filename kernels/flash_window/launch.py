@@ -20,9 +20,9 @@ from kernels.flash_window.triton_kernels import (
     window_attn_bwd_kernel,
     window_attn_fwd_kernel,
 )
+from kernels.ops import LaunchReplay, interpreting, next_power_of_2, recording_launches, scratch
 from kernels.ops import eager_launch as _eager_launch
 from kernels.ops import launch as _launch
-from kernels.ops import next_power_of_2
 
 Strides = tuple[int, int, int, int]  # (b, y, x, head) element strides of (B, H, W, heads, head_dim) tokens
 
@@ -87,7 +87,7 @@ def _bias_grad(partial: torch.Tensor, bias: torch.Tensor, window: tuple[int, int
     pairs (two small kernels, deterministic, no atomics)."""
     sets, heads, rows, cols = partial.shape
     area = window[0] * window[1]
-    dense = partial.new_empty((heads, area, area))
+    dense = scratch((heads, area, area), partial.dtype, partial.device)
     block_n, block_s, block_x = _grad_blocks(sets, area, window[1])
     _launch(bias_grad_sum_kernel, (heads * area,), partial, dense, sets, heads, area, ROWS=rows, COLS=cols,
             BLOCK_S=block_s, BLOCK_N=block_n, num_warps=8)
@@ -150,12 +150,11 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
                                   fill is not None, q_scale is not None, tiles.shape[2], eager, plan.TUNING)
     # one (rows, cols) tile per program and head; the single-block kernel writes its tile whole at the end, the
     # multi-block one adds into it window after window
-    alloc = torch.empty if cfg["NUM_M"] == 1 else torch.zeros
-    partial = alloc((cfg["sets"], heads, cfg["NUM_M"] * cfg["BLOCK_M"], tiles.shape[-1]), dtype=torch.float32,
-                    device=q.device)
-    dfill = torch.zeros(2, heads, head_dim, dtype=torch.float32, device=q.device) if fill is not None else None
+    partial = scratch((cfg["sets"], heads, cfg["NUM_M"] * cfg["BLOCK_M"], tiles.shape[-1]), torch.float32, q.device,
+                      zero=cfg["NUM_M"] > 1)
+    dfill = scratch((2, heads, head_dim), torch.float32, q.device, zero=True) if fill is not None else None
     # one value per program, written by the program: summed here
-    dq_scale = torch.empty(cfg["sets"], heads, dtype=torch.float32, device=q.device) if q_scale is not None else None
+    dq_scale = scratch((cfg["sets"], heads), torch.float32, q.device) if q_scale is not None else None
     kernel = _launch(window_attn_bwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, do, *sdo, dqkv, sd_t, *sdq,
                      tiles, fill if fill is not None else tiles, partial, dfill if dfill is not None else partial,
                      q_scale if q_scale is not None else tiles, dq_scale if dq_scale is not None else partial,
@@ -204,10 +203,44 @@ def _image_geometry(qkv: torch.Tensor, window: list[int], shift: list[int]) -> _
     return _Geometry(qkv.shape[0], tuple(window), (h, w), grid, tuple(shift), grid)
 
 
+# eager calls' launches by signature (kernels.ops.LaunchReplay), replayed by later calls of it; False: a signature
+# whose calls cannot be replayed
+_REPLAYS: dict[tuple, LaunchReplay | bool] = {}
+
+
+def _signature(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype)
+
+
+def _replayed(body, inputs: tuple, window: list[int], shift: list[int], scale: float) -> tuple:
+    """body(*inputs, window, shift, scale); an eager call on the GPU replays the launches of the first call of its
+    signature (inputs' shapes, strides and dtypes, device, geometry, scale, tuning) where it can."""
+    if not plan.TUNING.replay or interpreting() or not _eager_launch(inputs[0]):
+        return body(*inputs, window, shift, scale)
+    key = (body, inputs[0].device, *map(_signature, inputs), *window, *shift, scale, plan.TUNING)
+    replay = _REPLAYS.get(key)
+    if replay:
+        outputs = replay(inputs)
+        if outputs is not None:
+            return tuple(outputs)
+    elif replay is None:
+        with recording_launches() as recording:
+            outputs = body(*inputs, window, shift, scale)
+        _REPLAYS[key] = LaunchReplay.record(recording, inputs, outputs) or False
+        return outputs
+    return body(*inputs, window, shift, scale)
+
+
 def image_forward(qkv: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None, kv_fill: torch.Tensor | None,
-              q_scale: torch.Tensor | None, window: list[int], shift: list[int], scale: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out, the bias tiles for the backward)."""
+                  q_scale: torch.Tensor | None, window: list[int], shift: list[int], scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out, the bias tiles for the backward); eager calls replay (_replayed)."""
+    return _replayed(_image_forward, (qkv, bias, mask, kv_fill, q_scale), window, shift, scale)
+
+
+def _image_forward(qkv: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None, kv_fill: torch.Tensor | None,
+                   q_scale: torch.Tensor | None, window: list[int], shift: list[int], scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     fill = kv_fill.contiguous() if kv_fill is not None else None
@@ -220,8 +253,16 @@ def image_forward(qkv: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | No
 
 
 def image_backward(grad_out: torch.Tensor, qkv: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor,
-                  kv_fill: torch.Tensor | None, q_scale: torch.Tensor | None, window: list[int], shift: list[int],
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   kv_fill: torch.Tensor | None, q_scale: torch.Tensor | None, window: list[int], shift: list[int],
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dqkv, bias gradient, fill gradient, cosine-scale gradient; an empty tensor for an absent one); eager
+    calls replay (_replayed)."""
+    return _replayed(_image_backward, (grad_out, qkv, tiles, bias, kv_fill, q_scale), window, shift, scale)
+
+
+def _image_backward(grad_out: torch.Tensor, qkv: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor,
+                    kv_fill: torch.Tensor | None, q_scale: torch.Tensor | None, window: list[int], shift: list[int],
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     if grad_out.stride(-1) != 1:

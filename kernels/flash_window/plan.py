@@ -25,11 +25,14 @@ KNOBS = ("BLOCK_M", "BWD_BLOCK_M", "PROGRAMS_PER_SM", "BWD_PROGRAMS_PER_SM", "WA
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Overrides of launch parameters by knob name (KNOBS; unset: the rules below decide), the fp32 products'
-    precision (None: by tile size) and whether new compilations print their registers (``SWIN_FW_DEBUG``)."""
+    precision (None: by tile size), whether new compilations print their registers (``SWIN_FW_DEBUG``) and whether
+    eager forwards replay the launches of an earlier call of the same signature (``SWIN_FW_REPLAY=0``: never;
+    kernels.ops.LaunchReplay)."""
 
     knobs: tuple[tuple[str, int], ...] = ()
     fp32_precision: str | None = None
     debug: bool = False
+    replay: bool = True
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Tuning:
@@ -43,7 +46,8 @@ class Tuning:
                     knobs.append((name, int(value)))
                 except ValueError:
                     raise ValueError(f"SWIN_FW_{name}={value!r}: give an integer") from None
-        return cls(tuple(knobs), env.get("SWIN_FW_FP32_PRECISION"), bool(env.get("SWIN_FW_DEBUG")))
+        return cls(tuple(knobs), env.get("SWIN_FW_FP32_PRECISION"), bool(env.get("SWIN_FW_DEBUG")),
+                   env.get("SWIN_FW_REPLAY", "1") != "0")
 
     def get(self, name: str, default: int) -> int:
         return dict(self.knobs).get(name, default)
