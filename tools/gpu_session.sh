@@ -2,6 +2,7 @@
 # GPU measurements and GPU tests, one stage per invocation, run from a checkout on a CUDA machine; results go to $OUT
 # (default /tmp/gpu_session).
 #   bash tools/gpu_session.sh tests     # the GPU tests: kernels, compiled model (bf16 included), training loop, loaders
+#                                       # (GPU_TESTS=kernels or GPU_TESTS=loop: one half)
 #   bash tools/gpu_session.sh kernel    # launch sweep of the flash window kernel (SWIN_FW_* knobs; TUNE_ARGS: its
 #                                       # arguments), then the attention benchmark at every stage shape
 #                                       # (KERNEL_DTYPES="bf16 fp32"; the paper's kernel as a row where FWA_PAPER_PATH,
@@ -77,21 +78,27 @@ Q="experiment=imagenet_swin_tiny train.batch_size=$(( 128 * NPROC )) train.epoch
    logger.wandb.mode=disabled logger.progress=false"
 case "$1" in
   tests)
-    # The kernel files on CUDA (their flash, gpu and autocast cases; pytest-xdist's workers compile the Triton kernels
-    # in parallel, TEST_WORKERS of them): flash window attention, V2's flash path and its CPB table under autocast, the
-    # GELU epilogue, the fused merge, the backbone compiled (inductor) once for several input sizes, and the cached
-    # eager launches. tests/test_model.py is left to the CPU suite (its timm comparisons).
-    python -m pytest -q -n "${TEST_WORKERS:-8}" --durations=10 tests/test_flash_window.py tests/test_swinv2.py \
-      tests/test_mlp_act.py tests/test_merge_norm.py tests/test_backbone.py tests/test_kernel_launch.py \
-      -k "flash or gpu or autocast" 2>&1 \
-      | tee "$OUT/gpu_tests.txt"
-    kernel_tests=$?
-    # the training step never syncs (CUDA sync debug mode); the side-stream loader and the batch ring keep batches
-    # intact
-    python -m pytest -q -m gpu tests/test_train_guard.py tests/test_data.py tests/test_batch_ring.py 2>&1 \
-      | tee "$OUT/gpu_loop_tests.txt"
-    loop_tests=$?
-    # the stage fails where either file failed (pipefail: pytest's status, not tee's)
+    # GPU_TESTS: "kernels loop" (default), or one of them where both do not fit a call
+    kernel_tests=0 loop_tests=0
+    if [[ " ${GPU_TESTS:-kernels loop} " == *" kernels "* ]]; then
+      # The kernel files on CUDA (their flash, gpu and autocast cases; pytest-xdist's workers compile the Triton
+      # kernels in parallel, TEST_WORKERS of them): flash window attention, V2's flash path and its CPB table under
+      # autocast, the GELU epilogue, the fused merge, the backbone compiled (inductor) once for several input sizes,
+      # the cached and replayed eager launches. tests/test_model.py is left to the CPU suite (its timm comparisons).
+      python -m pytest -q -n "${TEST_WORKERS:-8}" --durations=10 tests/test_flash_window.py tests/test_swinv2.py \
+        tests/test_mlp_act.py tests/test_merge_norm.py tests/test_backbone.py tests/test_kernel_launch.py \
+        -k "flash or gpu or autocast" 2>&1 \
+        | tee "$OUT/gpu_tests.txt"
+      kernel_tests=$?
+    fi
+    if [[ " ${GPU_TESTS:-kernels loop} " == *" loop "* ]]; then
+      # the training step never syncs (CUDA sync debug mode); the side-stream loader and the batch ring keep
+      # batches intact
+      python -m pytest -q -m gpu tests/test_train_guard.py tests/test_data.py tests/test_batch_ring.py 2>&1 \
+        | tee "$OUT/gpu_loop_tests.txt"
+      loop_tests=$?
+    fi
+    # the stage fails where a pytest run failed (pipefail: pytest's status, not tee's)
     [ "$kernel_tests" = 0 ] && [ "$loop_tests" = 0 ] || exit 1 ;;
   kernel)
     # the paper's kernel (github.com/zzd1992/FlashWindowAttention) is a row where FWA_PAPER_PATH holds a checkout
