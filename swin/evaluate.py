@@ -47,6 +47,7 @@ from swin.models.attention import check_backend
 from swin.models.pretrained import Checkpoint, checkpoint_num_classes, load_into, read_source
 from swin.models.registry import config_overrides, create_model
 from swin.precision import TRAIN_AMP_CHOICES, autocast, resolve_amp
+from swin.train.checks import compile_mode, compile_model
 from swin.train.distributed import all_reduce_sum, barrier, cleanup, init_distributed
 
 log = logging.getLogger("swin.eval")
@@ -66,23 +67,22 @@ def _raise_targets(lo: int, hi: int, num_classes: int) -> None:
                      "set model.num_classes to the dataset's class count")
 
 
-@torch.no_grad()
 def eval_compile_mode(setting: Any, device: torch.device | str, images: int, min_images: int) -> str | None:
-    """The torch.compile mode eval.compile asks for, or None (eager): true compiles (CUDA graphs on CUDA, the
-    default mode elsewhere); auto only on CUDA and where this process evaluates at least ``min_images`` images,
-    the run size on which compiling pays for the time it takes (docs/performance.md). ConfigError for another
-    value."""
+    """The torch.compile mode eval.compile asks for, or None (eager): as train.compile with compile_mode=auto
+    (CUDA graphs on CUDA, the default mode elsewhere; auto: on CUDA only), and auto only where this process
+    evaluates at least ``min_images`` images, the run size on which compiling pays for the time it takes
+    (docs/performance.md). ConfigError for another value."""
     if setting not in ("auto", True, False):
         raise ConfigError(f"compile={setting!r}: use auto (compile on CUDA for runs of at least compile_min_images "
                           "images), true or false")
     if min_images < 0:
         raise ConfigError(f"compile_min_images={min_images}: use a number of images >= 0")
-    cuda = torch.device(device).type == "cuda"
-    if setting is False or (setting == "auto" and not (cuda and images >= min_images)):
+    if setting == "auto" and images < min_images:
         return None
-    return "reduce-overhead" if cuda else "default"
+    return compile_mode(setting, "auto", torch.device(device))
 
 
+@torch.no_grad()
 def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str = "cpu", amp: str | None = None,
              progress: bool = True, total: int | None = None, desc: str = "eval",
              channels_last: bool = False, compiled: nn.Module | None = None) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
     # reused by every batch; fp8: a model training with train.amp=fp8 (its FP8 layers cast for themselves)
     amp_context = autocast(device, resolve_amp(amp or "fp32", device, TRAIN_AMP_CHOICES))
     start = time.perf_counter()
-    compiled_size, compile_seconds = None, None
+    compiled_size, compile_seconds = None, None  # the batch size the compiled model runs; its first batch's time
     try:
         for i, batch in enumerate(loader):
             images, targets = batch[0], batch[1]
@@ -123,11 +123,12 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
             targets = targets.to(device, non_blocking=True)
             if channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
-            if compiled is not None and compiled_size is None:
+            compiling = compiled is not None and compiled_size is None
+            if compiling:
                 compiled_size, first = images.shape[0], time.perf_counter()
             with amp_context:
                 logits = (compiled if images.shape[0] == compiled_size else model)(images)
-            if compiled is not None and compile_seconds is None:
+            if compiling:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 compile_seconds = time.perf_counter() - first
@@ -327,7 +328,7 @@ def run_eval(cfg: EvalAppConfig | DictConfig, run_dir: str | os.PathLike,
             log.info(f"torch.compile: {mode} mode (compiles during the first batch)" if mode
                      else f"torch.compile: off{why}")
         metrics = evaluate(model, loader, device=dist.device, amp=amp, progress=cfg.progress and dist.is_main,
-                           total=shard, compiled=torch.compile(model, mode=mode) if mode else None)
+                           total=shard, compiled=compile_model(model, mode) if mode else None)
         if dist.is_main and metrics["compile_seconds"] is not None:
             log.info(f"torch.compile: the first batch took {metrics['compile_seconds']:.1f} s, compiling included")
         folder = as_folder(data_cfg)

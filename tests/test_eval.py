@@ -69,7 +69,11 @@ def test_compiled_evaluation_runs_the_tail_eagerly():
     model = swin.create_model("swin_micro", num_classes=7).eval()
     x, y = torch.randn(53, 3, 16, 16), torch.randint(0, 7, (53,))
     loader = DataLoader(TensorDataset(x, y), batch_size=10)  # last batch of 3
+    grad_modes = []
+    hook = model.register_forward_pre_hook(lambda *_: grad_modes.append(torch.is_grad_enabled()))
     eager = evaluate(model, loader, progress=False)
+    hook.remove()
+    assert grad_modes and not any(grad_modes)  # no autograd graph is recorded while evaluating
     torch._dynamo.reset()
     counter = CompileCounter()
     res = evaluate(model, loader, progress=False, compiled=torch.compile(model, backend=counter))
