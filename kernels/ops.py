@@ -91,6 +91,7 @@ def launch_direct(kernel, grid: tuple[int, ...], *args, **keywords):
     device = torch.cuda.current_device()
     key = (kernel, device, _specialization(args), tuple(keywords.items()))
     entry = _COMPILED.get(key)
+    grid3 = (*grid, 1, 1)[:3]
     if entry is None:
         compiled = kernel[grid](*args, **keywords)
         compiled = compiled.result() if hasattr(compiled, "result") else compiled  # an asynchronous compile
@@ -100,12 +101,11 @@ def launch_direct(kernel, grid: tuple[int, ...], *args, **keywords):
         compiled, tail = entry
         stream = torch._C._cuda_getCurrentRawStream(device)
         enter, exit_ = launch_hooks()
-        grid3 = (*grid, 1, 1)
         metadata = compiled.launch_metadata(grid3, stream, *args, *tail) if enter is not None else None
-        compiled.run(grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata, metadata,
-                     enter, exit_, *args, *tail)
+        compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, metadata, enter, exit_, *args,
+                     *tail)
     if _ACTIVE.recording is not None:
-        _ACTIVE.recording.launches.append((compiled, (*grid, 1, 1)[:3], args, tail))
+        _ACTIVE.recording.launches.append((compiled, grid3, args, tail))
     return compiled
 
 
@@ -144,10 +144,14 @@ def recording_launches() -> Iterator[Recording]:
         _ACTIVE.recording = previous
 
 
+def _allocate(shape: Sequence[int], dtype: torch.dtype, device: torch.device, zero: bool) -> torch.Tensor:
+    return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+
+
 def scratch(shape: Sequence[int], dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
     """A buffer a call's kernels use that is not one of its outputs (zeroed with ``zero``); a replay of the call
     allocates it anew."""
-    buffer = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+    buffer = _allocate(shape, dtype, device, zero)
     if _ACTIVE.recording is not None:
         _ACTIVE.recording.scratch.append((buffer, zero))
     return buffer
@@ -197,11 +201,11 @@ class LaunchReplay:
         """A replay of the call on ``inputs`` that returned ``outputs``, made in ``recording``
         (recording_launches), or None where the call cannot be replayed."""
         given = [id(t) for t in inputs if t is not None]
-        made = {id(t) for t in outputs} | {id(b) for b, _ in recording.scratch}
+        inputs_, outputs_ = set(given), {id(o) for o in outputs}
+        buffers = {id(b) for b, _ in recording.scratch}
         launched = {id(a) for _, _, args, _ in recording.launches for a in args if isinstance(a, torch.Tensor)}
-        if (not recording.launches or launch_hooks() != (None, None) or len(set(given)) < len(given)
-                or made & set(given) or not launched <= made | set(given)
-                or {id(o) for o in outputs} & {id(b) for b, _ in recording.scratch}
+        if (not recording.launches or launch_hooks() != (None, None) or len(inputs_) < len(given)
+                or inputs_ & (outputs_ | buffers) or outputs_ & buffers or not launched <= inputs_ | outputs_ | buffers
                 or not all(_fresh(o) and (id(o) in launched or o.numel() == 0) for o in outputs)):
             return None
         return cls(recording, inputs, outputs)
@@ -214,16 +218,14 @@ class LaunchReplay:
         if _aligned(inputs) != self.aligned or device != self.current_device or launch_hooks() != (None, None):
             return None
         outputs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.outputs]
-        buffers = [(torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=self.device)
-                   for shape, dtype, zero in self.scratch]
+        buffers = [_allocate(shape, dtype, self.device, zero) for shape, dtype, zero in self.scratch]
         slots = (*inputs, *outputs, *buffers)
         stream = torch._C._cuda_getCurrentRawStream(device)
         for compiled, grid, fixed, tensor_slots, tail in self.launches:
             args = fixed.copy()
             for i, slot in tensor_slots:
                 args[i] = slots[slot]
-            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
-                         None, *args, *tail)
+            compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
         return outputs
 
 
