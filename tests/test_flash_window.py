@@ -195,6 +195,33 @@ def test_forward_programs_per_sm_leave_each_program_four_windows():
     assert resident_forward_sets(2 * 1392, 3, 132, 1) == 352  # unshifted: 8 per SM
 
 
+@pytest.mark.parametrize("area, backward", [(49, False), (49, True), (144, False), (144, True)])
+def test_a_symbolic_window_count_gets_a_plan_without_guards(area, backward, monkeypatch):
+    """Traced with dynamic shapes, the window count is a symbol: the launch plan (on a 132-SM GPU) must not compare
+    it with anything, or torch.compile guards on it and recompiles for a later size. Programs: the whole budget
+    (or one per window, where each takes one window); no resident tiles or deeper pipeline (they depend on it)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from kernels.flash_window import plan
+    monkeypatch.setattr(plan, "num_sms", lambda index: 132)
+    env = ShapeEnv()
+    windows = env.create_symintnode(env.create_symbol(264, source=ConstantSource("windows")), hint=264)
+    cfg = _launch_config(windows, 2, area, 32, torch.device("cuda", 0), backward=backward, itemsize=2,
+                         windows_per_image=132)
+    assert not env.guards, [str(g.expr) for g in env.guards]
+    static = _launch_config(264, 2, area, 32, torch.device("cuda", 0), backward=backward, itemsize=2,
+                            windows_per_image=132)
+    if area == 144 and not backward:  # a program per window and head
+        assert cfg["sets"] is windows and static["sets"] == 264
+    else:  # 32 programs per SM forward, 4 backward (2 with split keys), over 2 heads
+        assert cfg["sets"] == {(49, False): 2112, (49, True): 264, (144, True): 132}[area, backward]
+    chosen_by_count = ("sets", "RESIDENT_BIAS") + (() if backward else ("STAGES",))
+    assert not cfg.get("RESIDENT_BIAS") and (backward or cfg["STAGES"] <= 2)
+    assert {k: v for k, v in cfg.items() if k not in chosen_by_count} == {
+        k: v for k, v in static.items() if k not in chosen_by_count}
+
+
 def test_four_windows_of_a_grid_stand_for_every_windows_mask():
     """What the bias-tile kernel relies on: the shifted-window mask of every window of a grid equals that of the
     first window of its class (interior: window 0, last column, last row, last window)."""

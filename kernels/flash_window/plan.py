@@ -137,10 +137,17 @@ def launch_config(total_windows: int, heads: int, window_area: int, head_dim: in
     else:
         per_sm = _tuning("PROGRAMS_PER_SM", (32 if num_m == 1 else 0) if cuda else 4)
     budget = sms * per_sm // heads if cuda else per_sm
-    sets = total_windows if per_sm == 0 else max(1, min(total_windows, budget))
+    # traced with dynamic shapes (torch.compile), the window count is a symbol: a choice that compared it with
+    # anything would guard on it, and a later size would recompile; so the program count is the budget (programs
+    # past the last window do nothing), and neither resident tiles nor the deeper pipeline are chosen
+    symbolic = not isinstance(total_windows, int)
+    if per_sm == 0:
+        sets = total_windows
+    else:
+        sets = max(1, budget) if symbolic else max(1, min(total_windows, budget))
     resident = False  # the backward reads its tile per window (see window_attn_bwd_kernel)
-    if (not backward and num_m == 1 and not block_t and itemsize == 2 and _tuning("HALF_BIAS", 1) == 1
-            and _tuning("RESIDENT_BIAS", 1) == 1):
+    if (not backward and not symbolic and num_m == 1 and not block_t and itemsize == 2
+            and _tuning("HALF_BIAS", 1) == 1 and _tuning("RESIDENT_BIAS", 1) == 1):
         # a programs-per-SM knob (or the interpreter's 4 per head) keeps its sets, rounded where that allows it
         chosen = TUNING.sets("PROGRAMS_PER_SM") or not cuda
         resident_at = (resident_sets(sets, total_windows, windows_per_image) if chosen else
@@ -156,7 +163,8 @@ def launch_config(total_windows: int, heads: int, window_area: int, head_dim: in
     elif backward:
         stages = 3 if tile_bytes <= 8192 else 1
     else:
-        stages = 1 if tile_bytes > 32768 else (3 if total_windows >= 4 * sets and tile_bytes <= 8192 else 2)
+        deep = not symbolic and total_windows >= 4 * sets and tile_bytes <= 8192
+        stages = 1 if tile_bytes > 32768 else (3 if deep else 2)
     # the backward of windows over 128 tokens: 8 warps for one padded tile, fp32 or wide heads, 4 for 16-bit keys
     # split in two of head_dim up to 32 (their registers then allow 2 programs per SM)
     wide = window_area > 128 and backward
