@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 import kernels.flash_window.launch as flash_launch
-from kernels.flash_window import flash_window_attention_image, plan
+from kernels.flash_window import flash_window_attention, flash_window_attention_image, plan
 from kernels.ops import LaunchReplay, Recording, _specialization, cdiv, launch_direct, next_power_of_2
 from swin.models.windows import WindowSpec, shifted_window_mask
 
@@ -117,5 +117,42 @@ def test_gpu_replayed_calls_equal_the_ops_python(feat, window, shifted, dtype, o
                 assert torch.equal(g, e), f"call {call}: replayed result differs"
         kinds = {key[0].__name__: bool(replay) for key, replay in flash_launch._REPLAYS.items()}
         assert kinds == {"_image_forward": True, "_image_backward": not padded}
+    finally:
+        plan.set_tuning(plan.Tuning.from_env())
+
+
+def _window_call(q, k, v, bias, mask, grid, window, grad_out):
+    """(out, dq, dk, dv, dbias) of one eager window-op call with autograd."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
+    out = flash_window_attention(*leaves, mask, grid, q.shape[-1] ** -0.5, window_size=window)
+    out.backward(grad_out)
+    return (out.detach(), *(t.grad for t in leaves))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dense", [False, True], ids=["table", "dense"])
+def test_gpu_replayed_window_calls_equal_the_ops_python(dense):
+    """As test_gpu_replayed_calls_equal_the_ops_python, for the window layout (q, k, v per window) of shifted
+    Swin-T stage 2 windows: replayed forward always, backward with a bias table (a dense bias's gradient is the
+    summed scratch buffer itself, which a replay cannot hand out)."""
+    heads, head_dim, batch, window, feat = 6, 32, 2, (7, 7), (28, 28)
+    spec = WindowSpec(feat, window, (3, 3))
+    windows, area = batch * spec.num_windows, window[0] * window[1]
+    mask = shifted_window_mask(spec, "cuda")
+    flash_launch._REPLAYS.clear()
+    try:
+        for call in range(3):
+            q, k, v, grad_out = (torch.randn(windows, heads, area, head_dim, device="cuda", dtype=torch.bfloat16)
+                                 for _ in range(4))
+            bias = (torch.randn(heads, area, area, device="cuda") if dense else
+                    torch.randn((2 * window[0] - 1) * (2 * window[1] - 1), heads, device="cuda"))
+            got = _window_call(q, k, v, bias, mask, spec.grid_size, window, grad_out)
+            plan.set_tuning(plan.Tuning(replay=False))
+            expected = _window_call(q, k, v, bias, mask, spec.grid_size, window, grad_out)
+            plan.set_tuning(plan.Tuning())
+            for g, e in zip(got, expected):
+                assert torch.equal(g, e), f"call {call}: replayed result differs"
+        kinds = {key[0].__name__: bool(replay) for key, replay in flash_launch._REPLAYS.items()}
+        assert kinds == {"_window_forward": True, "_window_backward": not dense}
     finally:
         plan.set_tuning(plan.Tuning.from_env())

@@ -164,6 +164,35 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
             dq_scale.sum(0).to(q_scale.dtype) if dq_scale is not None else None)
 
 
+# eager calls' launches by signature (kernels.ops.LaunchReplay), replayed by later calls of it; False: a signature
+# whose calls cannot be replayed
+_REPLAYS: dict[tuple, LaunchReplay | bool] = {}
+
+
+def _signature(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype)
+
+
+def _replayed(body, inputs: tuple, first: list[int], second: list[int], scale: float) -> tuple:
+    """body(*inputs, first, second, scale) (the geometry: window and shift, or window grid and window); an eager
+    call on the GPU replays the launches of the first call of its signature (inputs' shapes, strides and dtypes,
+    device, geometry, scale, tuning) where it can."""
+    if not plan.TUNING.replay or interpreting() or not _eager_launch(inputs[0]):
+        return body(*inputs, first, second, scale)
+    key = (body, inputs[0].device, *map(_signature, inputs), *first, *second, scale, plan.TUNING)
+    replay = _REPLAYS.get(key)
+    if replay:
+        outputs = replay(inputs)
+        if outputs is not None:
+            return tuple(outputs)
+    elif replay is None:
+        with recording_launches() as recording:
+            outputs = body(*inputs, first, second, scale)
+        _REPLAYS[key] = LaunchReplay.record(recording, inputs, outputs) or False
+        return outputs
+    return body(*inputs, first, second, scale)
+
+
 # ---------------------------------------------------------------------------------------------
 # the ops' bodies (kernels.flash_window.ops): window layout, q, k, v (B * num_windows, heads, L, head_dim); image
 # layout, qkv (B, H, W, 3, heads, head_dim) -> (B, H, W, heads, head_dim)
@@ -174,8 +203,13 @@ def _window_geometry(windows: int, area: int, grid: list[int]) -> _Geometry:
 
 
 def window_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None,
-               grid: list[int], window: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out, the bias tiles for the backward)."""
+                   grid: list[int], window: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out, the bias tiles for the backward); eager calls replay (_replayed)."""
+    return _replayed(_window_forward, (q, k, v, bias, mask), grid, window, scale)
+
+
+def _window_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None,
+                    grid: list[int], window: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     bw, heads, area, head_dim = q.shape
@@ -185,9 +219,15 @@ def window_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
 
 
 def window_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: torch.Tensor,
-                   bias: torch.Tensor, grid: list[int], window: list[int], scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (dq, dk, dv stacked as one (3, *q.shape) tensor, bias gradient)."""
+                    bias: torch.Tensor, grid: list[int], window: list[int], scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk, dv stacked as one (3, *q.shape) tensor, bias gradient); eager calls replay (_replayed)."""
+    return _replayed(_window_backward, (grad_out, q, k, v, tiles, bias), grid, window, scale)
+
+
+def _window_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: torch.Tensor,
+                     bias: torch.Tensor, grid: list[int], window: list[int], scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
     dqkv = q.new_empty((3, *q.shape))
     bw, heads, area, head_dim = q.shape
@@ -201,34 +241,6 @@ def _image_geometry(qkv: torch.Tensor, window: list[int], shift: list[int]) -> _
     (h, w), (wh, ww) = qkv.shape[1:3], window
     grid = (-(-h // wh), -(-w // ww))
     return _Geometry(qkv.shape[0], tuple(window), (h, w), grid, tuple(shift), grid)
-
-
-# eager calls' launches by signature (kernels.ops.LaunchReplay), replayed by later calls of it; False: a signature
-# whose calls cannot be replayed
-_REPLAYS: dict[tuple, LaunchReplay | bool] = {}
-
-
-def _signature(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype)
-
-
-def _replayed(body, inputs: tuple, window: list[int], shift: list[int], scale: float) -> tuple:
-    """body(*inputs, window, shift, scale); an eager call on the GPU replays the launches of the first call of its
-    signature (inputs' shapes, strides and dtypes, device, geometry, scale, tuning) where it can."""
-    if not plan.TUNING.replay or interpreting() or not _eager_launch(inputs[0]):
-        return body(*inputs, window, shift, scale)
-    key = (body, inputs[0].device, *map(_signature, inputs), *window, *shift, scale, plan.TUNING)
-    replay = _REPLAYS.get(key)
-    if replay:
-        outputs = replay(inputs)
-        if outputs is not None:
-            return tuple(outputs)
-    elif replay is None:
-        with recording_launches() as recording:
-            outputs = body(*inputs, window, shift, scale)
-        _REPLAYS[key] = LaunchReplay.record(recording, inputs, outputs) or False
-        return outputs
-    return body(*inputs, window, shift, scale)
 
 
 def image_forward(qkv: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | None, kv_fill: torch.Tensor | None,
