@@ -51,6 +51,11 @@ their plain sum); GPU busy time well below the step time means the step is host-
 no kernels: both are None (``-`` in the table). With ``profile.top_kernels > 0``, profile.md lists the top
 kernels with their categories too.
 
+Eager rows on CUDA (``grid=eager``) also report their host cost (``host_times``): CPU time to enqueue one inference
+forward and one call of the first stage's shifted block, with the GPU kept busy so that no wait is counted
+(``infer_host_ms``, ``infer_host_block_us``; a third table in benchmark.md). An eager forward whose host time
+exceeds its step's GPU time is host-bound.
+
 Examples:
     python scripts/benchmark.py out_dir=$OUT/bench                          # default grid (Swin-T, b128, bf16)
     python scripts/benchmark.py grid=quick                                   # eager rows only, ~1 min
@@ -386,6 +391,35 @@ def measure(step: Callable[[], object], batch: int, device: torch.device, warmup
                 peak_gib=_peak_gib(device))
 
 
+BLOCK_TYPES = ("SwinTransformerBlock", "SwinTransformerV2Block")  # ours and timm's transformer blocks
+HOST_SLEEP_CYCLES = 200_000_000  # a GPU sleep longer than any eager forward's enqueueing (about 0.1 s)
+
+
+def _host_us(fn: Callable[[], object], reps: int) -> float:
+    """Median host CPU time (µs, this thread) of fn() behind a GPU sleep: the host's own enqueueing, no wait."""
+    times = []
+    for _ in range(reps):
+        torch.cuda._sleep(HOST_SLEEP_CYCLES)
+        t0 = time.thread_time_ns()
+        fn()
+        times.append((time.thread_time_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def host_times(model: nn.Module, forward: Callable[[], object], images: torch.Tensor,
+               reps: int = 20) -> dict[str, float]:
+    """Eager host cost (CUDA): CPU ms to enqueue forward() (a whole model forward), and µs to enqueue the first
+    stage's shifted block (``layers[0].blocks[1]``, ours and timm's alike) on its input from ``images``, with the
+    GPU kept busy, medians. Why: an eager step whose host time exceeds its GPU time runs at the host's pace, and
+    the block figure compares the two models' Python block for block."""
+    with torch.no_grad():
+        tokens = model.layers[0].blocks[0](model.patch_embed(images))
+        block = model.layers[0].blocks[1]
+        block_us = _host_us(lambda: block(tokens), reps)
+    return dict(host_ms=_host_us(forward, reps) / 1e3, host_block_us=block_us)
+
+
 ATTN_KERNEL_RE = re.compile(r"window_attn_|bias_tiles|bias_grad|fmha|flash_fwd|flash_bwd|pytorch_flash|sdpa"
                             r"|attention|softmax", re.IGNORECASE)
 NOT_ATTN_KERNEL_RE = re.compile(r"log_?softmax", re.IGNORECASE)
@@ -691,6 +725,9 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
             if mode == "train" and profile.get("saved_tensors", False):
                 with (out_dir / "profile.md").open("a") as f:
                     f.write(saved_tensor_report(step, spec.label))
+        if mode == "infer" and not spec.compile and not cfg.features_only and device.type == "cuda":
+            with amp():
+                result.update(host_times(model, infer_step, x))
         row.update({f"{mode}_{k}": v for k, v in result.items()})
     row["train_loss"] = last_loss[0].float().item()
     return row
@@ -785,12 +822,27 @@ def breakdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def host_table(rows: list[dict[str, Any]]) -> str:
+    """Eager rows' host cost (host_times) next to their inference step time; '' where no row has it."""
+    timed = [r for r in rows if r.get("infer_host_ms") is not None]
+    if not timed:
+        return ""
+    lines = ["| row | infer step ms | host ms per forward | host µs per shifted block |", "|---|---|---|---|"]
+    for r in timed:
+        lines.append(f"| {_row_label(r)} | {r['infer_step_ms']:.2f} | {r['infer_host_ms']:.2f} | "
+                     f"{_fmt(r.get('infer_host_block_us'), '.0f')} |")
+    return "\n".join(lines)
+
+
 def report_tables(rows: list[dict[str, Any]], profiled: bool) -> str:
-    """The comparison table, and with profiling the GPU time breakdown under it."""
-    table = markdown_table(rows, profiled)
-    if not profiled:
-        return table
-    return f"{table}\n\n## GPU kernel time per step by category (ms)\n\n{breakdown_table(rows)}"
+    """The comparison table; with profiling the GPU time breakdown under it; with eager CUDA rows their host
+    cost."""
+    tables = [markdown_table(rows, profiled)]
+    if profiled:
+        tables.append(f"## GPU kernel time per step by category (ms)\n\n{breakdown_table(rows)}")
+    if host := host_table(rows):
+        tables.append("## Eager host time (CPU time to enqueue, the GPU kept busy)\n\n" + host)
+    return "\n\n".join(tables)
 
 
 def save_chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:

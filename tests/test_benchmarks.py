@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 import timm
+import torch
+
+import swin
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -366,6 +369,39 @@ def test_breakdown_table():
     ]  # the error row is left out (the comparison table shows it)
     assert breakdown_table(rows) in report_tables(rows, profiled=True)
     assert "GPU busy ms" not in report_tables(rows, profiled=False)
+
+
+def test_host_table():
+    from scripts.benchmark import host_table, report_tables
+
+    rows = [_row("ours", "flash_window", False, infer_step_ms=6.25, infer_host_ms=5.1234, infer_host_block_us=181.6),
+            _row("timm", "math", False, infer_step_ms=7.5, infer_host_ms=6.0, infer_host_block_us=None),
+            _row("ours", "flash_window", True, infer_step_ms=2.0)]  # compiled: no host figures
+    assert host_table(rows).splitlines() == [
+        "| row | infer step ms | host ms per forward | host µs per shifted block |", "|---|---|---|---|",
+        "| ours flash_window b128 bf16 | 6.25 | 5.12 | 182 |", "| timm math b128 bf16 | 7.50 | 6.00 | - |"]
+    assert host_table(rows) in report_tables(rows, profiled=False)
+    assert host_table(rows[2:]) == "" and "host ms" not in report_tables(rows[2:], profiled=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host time of CUDA launches")
+@pytest.mark.parametrize("impl", ["ours", "timm"])
+def test_gpu_host_times_time_the_first_shifted_block(impl):
+    from scripts.benchmark import host_times
+
+    arch = dict(embed_dim=32, depths=(2, 2), num_heads=(1, 2), img_size=(112, 112))
+    name = "swin_tiny_patch4_window7_224"
+    model = swin.create_model(name, attention="flash_window", **arch) if impl == "ours" else timm.create_model(
+        name, **arch)
+    model = model.cuda().eval()
+    x = torch.randn(2, 3, 112, 112, device="cuda")
+    block, seen = model.layers[0].blocks[1], []
+    handle = block.register_forward_hook(lambda m, a, o: seen.append(tuple(a[0].shape)))
+    with torch.no_grad():
+        times = host_times(model, lambda: model(x), x, reps=5)
+    handle.remove()
+    assert tuple(block.shift_size) == (3, 3) and seen[:5] == [(2, 28, 28, 32)] * 5  # timed alone, 5 times
+    assert 0 < times["host_block_us"] < 1e3 * times["host_ms"]
 
 
 def test_bench_data_train_args(tmp_path):

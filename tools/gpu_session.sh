@@ -84,10 +84,11 @@ case "$1" in
       # The kernel files on CUDA (their flash, gpu and autocast cases; pytest-xdist's workers compile the Triton
       # kernels in parallel, TEST_WORKERS of them): flash window attention, V2's flash path and its CPB table under
       # autocast, the GELU epilogue, the fused merge, the backbone compiled (inductor) once for several input sizes,
-      # the cached and replayed eager launches. tests/test_model.py is left to the CPU suite (its timm comparisons).
+      # the cached and replayed eager launches, the benchmark's eager host timing. tests/test_model.py is left to
+      # the CPU suite (its timm comparisons).
       python -m pytest -q -n "${TEST_WORKERS:-8}" --durations=10 tests/test_flash_window.py tests/test_swinv2.py \
         tests/test_mlp_act.py tests/test_merge_norm.py tests/test_backbone.py tests/test_kernel_launch.py \
-        -k "flash or gpu or autocast" 2>&1 \
+        tests/test_benchmarks.py -k "flash or gpu or autocast" 2>&1 \
         | tee "$OUT/gpu_tests.txt"
       kernel_tests=$?
     fi
