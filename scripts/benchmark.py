@@ -111,7 +111,6 @@ import swin.config  # noqa: E402, F401  (registers the config schemas before Hyd
 from swin.config import ModelConfig  # noqa: E402
 from swin.models.swin_transformer import SwinTransformerBlock, WindowAttentionBase  # noqa: E402
 from swin.precision import fp8_linears, fp8_problem  # noqa: E402
-from swin.train.checks import compile_model  # noqa: E402
 from swin.train.distributed import pick_device  # noqa: E402
 
 
@@ -678,7 +677,7 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
         row["our_fused_mlp_act"] = all(b.fused_mlp_act for b in model.modules() if isinstance(b, SwinTransformerBlock))
     row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
     mode = spec.compile_mode or cfg.compile_mode
-    run = compile_model(model, mode, dynamic=False) if spec.compile else model
+    run = torch.compile(model, mode=mode, dynamic=False) if spec.compile else model
     x_all, y_all = data
     x, y = x_all[:spec.batch_size], y_all[:spec.batch_size]
     dtype = PRECISIONS[spec.precision]

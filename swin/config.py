@@ -166,8 +166,7 @@ class TrainConfig:
     # auto | true | false (OmegaConf has no str-or-bool type; check_config checks it)
     compile: Any = key("torch.compile the model: auto (on CUDA, not on the CPU) | true | false")
     compile_mode: str = key("auto (CUDA graphs, also under DDP; default with accum_steps > 1) | default | "
-                            "reduce-overhead | max-autotune | max-autotune-no-cudagraphs | cpp-wrapper (default "
-                            "with inductor's C++ wrapper)")
+                            "reduce-overhead | max-autotune | max-autotune-no-cudagraphs")
     grad_checkpointing: bool = key("recompute blocks in the backward: less memory, slower")
     ema: bool = key("keep an exponential moving average of the weights (evaluated, kept as best.pt)")
     ema_decay: float = key("EMA decay per update")

@@ -47,7 +47,7 @@ from swin.models.attention import check_backend
 from swin.models.pretrained import Checkpoint, checkpoint_num_classes, load_into, read_source
 from swin.models.registry import config_overrides, create_model
 from swin.precision import TRAIN_AMP_CHOICES, autocast, resolve_amp
-from swin.train.checks import compile_mode, compile_model
+from swin.train.checks import compile_mode
 from swin.train.distributed import all_reduce_sum, barrier, cleanup, init_distributed
 
 log = logging.getLogger("swin.eval")
@@ -328,7 +328,7 @@ def run_eval(cfg: EvalAppConfig | DictConfig, run_dir: str | os.PathLike,
             log.info(f"torch.compile: {mode} mode (compiles during the first batch)" if mode
                      else f"torch.compile: off{why}")
         metrics = evaluate(model, loader, device=dist.device, amp=amp, progress=cfg.progress and dist.is_main,
-                           total=shard, compiled=compile_model(model, mode) if mode else None)
+                           total=shard, compiled=torch.compile(model, mode=mode) if mode else None)
         if dist.is_main and metrics["compile_seconds"] is not None:
             log.info(f"torch.compile: the first batch took {metrics['compile_seconds']:.1f} s, compiling included")
         folder = as_folder(data_cfg)

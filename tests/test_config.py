@@ -2,7 +2,6 @@
 through them unchanged, every config file of a group composes, and a wrong type, an unknown key or a key of another
 dataset is refused at composition."""
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -108,25 +107,6 @@ def test_a_required_key_left_unset_stops_with_one_line():
                                                     "data.root=/path/to/dataset to the command line")):
         check_config(make_cfg("data=imagenet"), 1, torch.device("cpu"))
     assert check_config(make_cfg("data=imagenet", "data.root=/x"), 1, torch.device("cpu")).data.root == "/x"
-
-
-def test_cpp_wrapper_mode_compiles_with_inductors_cpp_wrapper():
-    """compile_mode=cpp-wrapper: torch.compile with inductor's cpp_wrapper option, whose generated module calls a
-    compiled C++ entry point (the default mode's calls the kernels from Python); equal to the eager model."""
-    from torch._inductor.codecache import PyCodeCache
-
-    import swin
-    from swin.train.checks import compile_model
-
-    model = swin.create_model("swin_micro", attention="sdpa").eval()
-    x = torch.randn(2, 3, 16, 16)
-    torch._dynamo.reset()
-    before = {id(m) for m in PyCodeCache.modules}
-    with torch.no_grad():
-        got = compile_model(model, "cpp-wrapper")(x)
-        assert torch.allclose(got, model(x), rtol=1e-5, atol=1e-5)
-    generated = [Path(m.__file__).read_text() for m in PyCodeCache.modules if id(m) not in before]
-    assert generated and all("inductor_entry" in source for source in generated)
 
 
 def test_compile_auto_compiles_on_cuda_with_cuda_graphs():

@@ -9,8 +9,7 @@
 #                                       # default ./.paper, holds a checkout of it)
 #   bash tools/gpu_session.sh e2e       # Swin-T end to end: grid=compiled (CUDA graphs and default mode) with the GPU
 #                                       # time breakdown (E2E_GRID=autotune: max-autotune against reduce-overhead;
-#                                       # E2E_GRID=fused_gelu: inference with and without the GELU epilogue;
-#                                       # E2E_GRID=cpp_wrapper: the default mode against inductor's C++ wrapper)
+#                                       # E2E_GRID=fused_gelu: inference with and without the GELU epilogue)
 #   E2E_MODEL=384 bash tools/gpu_session.sh e2e-base  # Swin-B 384 (or 224; both when unset) end to end, grid=best
 #   V2_MODEL=swinv2_base_window16_256 V2_BATCH=64 bash tools/gpu_session.sh e2e-v2  # Swin V2 against timm's V2,
 #                                       # grid=swinv2 (default: swinv2_tiny_window8_256, b64 and b128)

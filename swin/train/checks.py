@@ -15,9 +15,7 @@ from swin.models.attention import check_backend
 from swin.models.registry import MODEL_CONFIGS, architecture, config_overrides
 from swin.precision import TRAIN_AMP_CHOICES, fp8_problem
 
-# torch.compile's modes, and cpp-wrapper: the default mode with inductor's C++ wrapper, whose compiled graphs launch
-# their kernels from C++ instead of generated Python (less host time per kernel, where CUDA graphs cannot be used)
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "cpp-wrapper")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
 # optimizers (timm names of torch.optim classes) built with fused=True on CUDA: their kernels skip a
 # non-finite step on the device (see swin.train.guard)
@@ -126,14 +124,6 @@ def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torc
     if cfg.logger.wandb.mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r}: use online, offline or disabled")
     return cfg
-
-
-def compile_model(model: torch.nn.Module, mode: str, dynamic: bool | None = None) -> torch.nn.Module:
-    """torch.compile(model) in one of COMPILE_MODES (cpp-wrapper: inductor's cpp_wrapper option, which torch.compile
-    takes instead of a mode)."""
-    if mode == "cpp-wrapper":
-        return torch.compile(model, options={"cpp_wrapper": True}, dynamic=dynamic)
-    return torch.compile(model, mode=mode, dynamic=dynamic)
 
 
 def compile_mode(compile: Any, mode: str, device: torch.device, accum_steps: int = 1) -> str | None:

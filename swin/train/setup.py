@@ -20,7 +20,7 @@ from swin.data.datasets import augment_mode, build_datasets, decode_mode
 from swin.data.loaders import build_loaders, worker_count
 from swin.models.registry import config_overrides, create_model
 from swin.precision import TRAIN_AMP_CHOICES, autocast, fp8_linears, resolve_amp
-from swin.train.checks import FUSED_OPTS, compile_mode, compile_model, model_arch
+from swin.train.checks import FUSED_OPTS, compile_mode, model_arch
 from swin.train.distributed import DistInfo, seed_everything
 from swin.train.guard import EmaUpdater, StepStats, supports_found_inf
 from swin.train.state import Run
@@ -146,7 +146,7 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
     criterion, mixup = _build_criterion(t, num_classes)
     ema = ModelEmaV3(raw_model, decay=t.ema_decay) if t.ema else None
     mode = compile_mode(t.compile, t.compile_mode, device, t.accum_steps)
-    fwd_model: nn.Module = compile_model(raw_model, mode) if mode else raw_model
+    fwd_model: nn.Module = torch.compile(raw_model, mode=mode) if mode else raw_model
     why = " (train.compile=auto compiles on CUDA only)" if t.compile == "auto" else ""
     log.info(f"torch.compile: {mode} mode (compiles during the first update)" if mode else f"torch.compile: off{why}")
     # the model's buffers are constants (position indices, shift masks): broadcasting them every forward, DDP's
