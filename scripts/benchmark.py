@@ -391,18 +391,21 @@ def measure(step: Callable[[], object], batch: int, device: torch.device, warmup
 
 
 BLOCK_TYPES = ("SwinTransformerBlock", "SwinTransformerV2Block")  # ours and timm's transformer blocks
-HOST_SLEEP_CYCLES = 200_000_000  # a GPU sleep longer than any eager forward's enqueueing (about 0.1 s)
+HOST_SLEEP_CYCLES = 200_000_000  # a GPU sleep longer than two eager forwards' enqueueing (about 0.1 s)
 
 
 def _host_us(fn: Callable[[], object], reps: int) -> float:
-    """Median host CPU time (µs, this thread) of fn() behind a GPU sleep: the host's own enqueueing, no wait."""
+    """Median host CPU time (µs, this thread) of fn(), the second of two calls queued behind a GPU sleep (as in a
+    loop: the first call after a synchronisation costs the host more): the host's own enqueueing, no wait."""
     times = []
     for _ in range(reps):
+        torch.cuda.synchronize()
         torch.cuda._sleep(HOST_SLEEP_CYCLES)
+        fn()
         t0 = time.thread_time_ns()
         fn()
         times.append((time.thread_time_ns() - t0) / 1e3)
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     return statistics.median(times)
 
 
