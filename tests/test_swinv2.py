@@ -262,9 +262,16 @@ def test_gpu_flash_bf16_matches_fp32(name, img_size):
     assert rel_err(out.float(), ref) < max(3e-2, 2 * rel_err(out_std.float(), ref))
     for y in (out, out_std, ref):
         (y.float() * probe).sum().backward()
-    params = zip(reference.named_parameters(), model.parameters(), standard_bf16.parameters())
-    for (pname, p), q, s in params:
-        flash_err, standard_err = rel_err(q.grad, p.grad), rel_err(s.grad, p.grad)
+    grads: dict[str, list[list[torch.Tensor]]] = {}  # name -> [reference, flash, standard] gradients
+    for (pname, p), q, s in zip(reference.named_parameters(), model.parameters(), standard_bf16.parameters()):
+        # a logit scale's gradient sums each head's score gradients times their cosines over whole windows: rows
+        # whose gradients sum to zero, so one layer's can cancel to almost nothing; the scales are compared as one
+        # vector over every layer
+        name = "every logit_scale" if pname.endswith("logit_scale") else pname
+        for kept, g in zip(grads.setdefault(name, [[], [], []]), (p, q, s)):
+            kept.append(g.grad.flatten())
+    for pname, (p, q, s) in ((n, [torch.cat(g) for g in gs]) for n, gs in grads.items()):
+        flash_err, standard_err = rel_err(q, p), rel_err(s, p)
         # capped: a gradient that bf16 math cannot pin down better than 20% says nothing either way
         assert flash_err < min(0.2, max(5e-2, 2 * standard_err)), (pname, flash_err, standard_err)
 
