@@ -14,7 +14,8 @@
 #   V2_MODEL=swinv2_base_window16_256 V2_BATCH=64 bash tools/gpu_session.sh e2e-v2  # Swin V2 against timm's V2,
 #                                       # grid=swinv2 (default: swinv2_tiny_window8_256, b64 and b128)
 #   bash tools/gpu_session.sh eager     # eager mode, ours against timm at batch 1, 8 and 128 (grid=eager): Swin-T
-#                                       # and Swin V2-T
+#                                       # and Swin V2-T, with their host time per forward and per block; then the
+#                                       # flash op's host time per call against timm's SDPA path (bench_attention)
 #   bash tools/gpu_session.sh loop      # train.py against its own model step: the compiled model step
 #                                       # (scripts/benchmark.py grid=loop), train.py on synthetic data compiled and
 #                                       # eager, and the ImageNet recipe on a generated JPEG folder; table in
@@ -132,7 +133,12 @@ case "$1" in
     # eager mode, no compile: ours against timm at batch 1, 8 and 128 (grid=eager), Swin-T and Swin V2-T
     python scripts/benchmark.py grid=eager out_dir="$OUT/eager_swin_t" ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S}
     python scripts/benchmark.py grid=eager model=swinv2_tiny_window8_256 out_dir="$OUT/eager_swinv2_t" \
-      ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S} ;;
+      ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S}
+    # the flash op's own host time per eager call against timm's SDPA path, Swin-T stage 1 at batch 1 and 128
+    for batch in 1 128; do
+      python scripts/bench_attention.py --preset swin_t_stage1 --dtype bf16 --batch $batch \
+        --backends flash_window sdpa --json "$OUT/attention_host_b$batch.json" | grep -E "^\|"
+    done ;;
   loop)
     # run dirs (with their ~0.4 GB checkpoints) stay in /tmp; summary.json and train.log are copied to $OUT
     R=/tmp/loop; rm -rf "$R"; mkdir -p "$R"
