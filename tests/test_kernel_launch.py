@@ -76,6 +76,21 @@ def test_replay_refuses_calls_it_cannot_repeat():
     assert LaunchReplay.record(recording(x, out), (x, x), (out,)) is None  # one tensor, two inputs
 
 
+def _check_replay_is_exact(call: int, op_call, *args) -> None:
+    """op_call(*args) (eager, replay on) equals bitwise the same call with replay off."""
+    got = op_call(*args)
+    plan.set_tuning(plan.Tuning(replay=False))
+    expected = op_call(*args)
+    plan.set_tuning(plan.Tuning())
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e), f"call {call}: replayed result differs"
+
+
+def _replayed_bodies() -> dict[str, bool]:
+    """Which op bodies recorded a replay (True) or were found unreplayable (False)."""
+    return {key[0].__name__: bool(replay) for key, replay in flash_launch._REPLAYS.items()}
+
+
 def _image_call(qkv, table, mask, qkv_bias, window, shift, grad_out):
     """(out, dqkv, dtable) of one eager image-op call with autograd."""
     qkv = qkv.detach().requires_grad_()
@@ -109,14 +124,8 @@ def test_gpu_replayed_calls_equal_the_ops_python(feat, window, shifted, dtype, o
             table = torch.randn((2 * window[0] - 1) * (2 * window[1] - 1), heads, device="cuda")
             qkv_bias = torch.randn(3, heads, head_dim, device="cuda")  # padded tokens' k and v
             grad_out = torch.randn(batch, *feat, heads, head_dim, device="cuda", dtype=dtype)
-            got = _image_call(qkv, table, mask, qkv_bias, window, shift, grad_out)
-            plan.set_tuning(plan.Tuning(replay=False))
-            expected = _image_call(qkv, table, mask, qkv_bias, window, shift, grad_out)
-            plan.set_tuning(plan.Tuning())
-            for g, e in zip(got, expected):
-                assert torch.equal(g, e), f"call {call}: replayed result differs"
-        kinds = {key[0].__name__: bool(replay) for key, replay in flash_launch._REPLAYS.items()}
-        assert kinds == {"_image_forward": True, "_image_backward": not padded}
+            _check_replay_is_exact(call, _image_call, qkv, table, mask, qkv_bias, window, shift, grad_out)
+        assert _replayed_bodies() == {"_image_forward": True, "_image_backward": not padded}
     finally:
         plan.set_tuning(plan.Tuning.from_env())
 
@@ -146,13 +155,7 @@ def test_gpu_replayed_window_calls_equal_the_ops_python(dense):
                                  for _ in range(4))
             bias = (torch.randn(heads, area, area, device="cuda") if dense else
                     torch.randn((2 * window[0] - 1) * (2 * window[1] - 1), heads, device="cuda"))
-            got = _window_call(q, k, v, bias, mask, spec.grid_size, window, grad_out)
-            plan.set_tuning(plan.Tuning(replay=False))
-            expected = _window_call(q, k, v, bias, mask, spec.grid_size, window, grad_out)
-            plan.set_tuning(plan.Tuning())
-            for g, e in zip(got, expected):
-                assert torch.equal(g, e), f"call {call}: replayed result differs"
-        kinds = {key[0].__name__: bool(replay) for key, replay in flash_launch._REPLAYS.items()}
-        assert kinds == {"_window_forward": True, "_window_backward": not dense}
+            _check_replay_is_exact(call, _window_call, q, k, v, bias, mask, spec.grid_size, window, grad_out)
+        assert _replayed_bodies() == {"_window_forward": True, "_window_backward": not dense}
     finally:
         plan.set_tuning(plan.Tuning.from_env())
