@@ -263,18 +263,19 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def host_us(fn: Callable[[], object], reset: Callable[[], None] = lambda: None, reps: int = 50) -> float | None:
-    """Median CPU time (µs) to enqueue fn() while the GPU is kept busy (CUDA only): the eager call's host
-    overhead. Where it exceeds the GPU time, an eager loop of such calls runs at the host's pace. Each sample is the
-    second of two calls queued behind a GPU sleep, as in a loop (the first call after a synchronisation costs the
-    host more). Process CPU time (all threads: autograd runs a backward on its own), not wall time: a shared host's
-    descheduling is not counted."""
+def host_us(fn: Callable[[], object], reset: Callable[[], None] = lambda: None, reps: int = 50,
+            sleep_cycles: int = 4 * SLEEP_CYCLES) -> float | None:
+    """Median CPU time (µs) to enqueue fn() while the GPU is kept busy (CUDA only; sleep_cycles: a GPU sleep longer
+    than two calls' enqueueing): the eager call's host overhead. Where it exceeds the GPU time, an eager loop of
+    such calls runs at the host's pace. Each sample is the second of two calls queued behind a GPU sleep, as in a
+    loop (the first call after a synchronisation costs the host more). Process CPU time (all threads: autograd
+    runs a backward on its own), not wall time: a shared host's descheduling is not counted."""
     if not torch.cuda.is_available():
         return None
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        torch.cuda._sleep(4 * SLEEP_CYCLES)
+        torch.cuda._sleep(sleep_cycles)
         reset()
         fn()
         reset()

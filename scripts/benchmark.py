@@ -108,6 +108,7 @@ from omegaconf import (  # noqa: E402
 
 import swin  # noqa: E402
 import swin.config  # noqa: E402, F401  (registers the config schemas before Hydra composes)
+from scripts.bench_attention import host_us  # noqa: E402  (the same queued host timing)
 from swin.config import ModelConfig  # noqa: E402
 from swin.models.swin_transformer import SwinTransformerBlock, WindowAttentionBase  # noqa: E402
 from swin.precision import fp8_linears, fp8_problem  # noqa: E402
@@ -390,23 +391,7 @@ def measure(step: Callable[[], object], batch: int, device: torch.device, warmup
                 peak_gib=_peak_gib(device))
 
 
-BLOCK_TYPES = ("SwinTransformerBlock", "SwinTransformerV2Block")  # ours and timm's transformer blocks
 HOST_SLEEP_CYCLES = 200_000_000  # a GPU sleep longer than two eager forwards' enqueueing (about 0.1 s)
-
-
-def _host_us(fn: Callable[[], object], reps: int) -> float:
-    """Median host CPU time (µs, this thread) of fn(), the second of two calls queued behind a GPU sleep (as in a
-    loop: the first call after a synchronisation costs the host more): the host's own enqueueing, no wait."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(HOST_SLEEP_CYCLES)
-        fn()
-        t0 = time.thread_time_ns()
-        fn()
-        times.append((time.thread_time_ns() - t0) / 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def host_times(model: nn.Module, forward: Callable[[], object], images: torch.Tensor,
@@ -418,8 +403,8 @@ def host_times(model: nn.Module, forward: Callable[[], object], images: torch.Te
     with torch.no_grad():
         tokens = model.layers[0].blocks[0](model.patch_embed(images))
         block = model.layers[0].blocks[1]
-        block_us = _host_us(lambda: block(tokens), reps)
-    return dict(host_ms=_host_us(forward, reps) / 1e3, host_block_us=block_us)
+        block_us = host_us(lambda: block(tokens), reps=reps, sleep_cycles=HOST_SLEEP_CYCLES)
+    return dict(host_ms=host_us(forward, reps=reps, sleep_cycles=HOST_SLEEP_CYCLES) / 1e3, host_block_us=block_us)
 
 
 ATTN_KERNEL_RE = re.compile(r"window_attn_|bias_tiles|bias_grad|fmha|flash_fwd|flash_bwd|pytorch_flash|sdpa"
