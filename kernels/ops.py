@@ -178,7 +178,8 @@ class LaunchReplay:
     is neither an input, an output nor a scratch buffer (a copy made inside the call), an output that no launch
     writes (made by a torch op) or that is not a fresh buffer, one tensor passed as two inputs, or a launch hook
     (profilers such as proton) that wants every launch. The recorded kernels must write the outputs whole (a replay
-    allocates them uninitialised)."""
+    allocates them uninitialised), except an output that is one of the call's scratch buffers (a zeroed
+    accumulator the kernels add into, say): a replay allocates it as the call did."""
 
     def __init__(self, recording: Recording, inputs: Sequence[torch.Tensor | None],
                  outputs: Sequence[torch.Tensor]):
@@ -189,7 +190,9 @@ class LaunchReplay:
             tensor_slots = tuple((i, slots[id(a)]) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
             fixed = [None if isinstance(a, torch.Tensor) else a for a in args]
             self.launches.append((compiled, grid, fixed, tensor_slots, tail))
-        self.outputs = tuple((o.shape, o.dtype) for o in outputs)
+        # per output: the index of the scratch buffer it is, or None for a buffer of its own
+        scratch_index = {id(b): i for i, b in enumerate(buffers)}
+        self.outputs = tuple((o.shape, o.dtype, scratch_index.get(id(o))) for o in outputs)
         self.scratch = tuple((b.shape, b.dtype, zero) for b, zero in recording.scratch)
         self.device = outputs[0].device
         self.current_device = torch.cuda.current_device()  # whose context the kernels were loaded in
@@ -205,7 +208,8 @@ class LaunchReplay:
         buffers = {id(b) for b, _ in recording.scratch}
         launched = {id(a) for _, _, args, _ in recording.launches for a in args if isinstance(a, torch.Tensor)}
         if (not recording.launches or launch_hooks() != (None, None) or len(inputs_) < len(given)
-                or inputs_ & (outputs_ | buffers) or outputs_ & buffers or not launched <= inputs_ | outputs_ | buffers
+                or len(outputs_) < len(outputs) or inputs_ & (outputs_ | buffers)
+                or not launched <= inputs_ | outputs_ | buffers
                 or not all(_fresh(o) and (id(o) in launched or o.numel() == 0) for o in outputs)):
             return None
         return cls(recording, inputs, outputs)
@@ -217,8 +221,9 @@ class LaunchReplay:
         device = torch.cuda.current_device()
         if _aligned(inputs) != self.aligned or device != self.current_device or launch_hooks() != (None, None):
             return None
-        outputs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.outputs]
         buffers = [_allocate(shape, dtype, self.device, zero) for shape, dtype, zero in self.scratch]
+        outputs = [torch.empty(shape, dtype=dtype, device=self.device) if index is None else buffers[index]
+                   for shape, dtype, index in self.outputs]
         slots = (*inputs, *outputs, *buffers)
         stream = torch._C._cuda_getCurrentRawStream(device)
         for compiled, grid, fixed, tensor_slots, tail in self.launches:

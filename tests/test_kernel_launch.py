@@ -10,8 +10,18 @@ import triton
 import triton.language as tl
 
 import kernels.flash_window.launch as flash_launch
+import kernels.ops
 from kernels.flash_window import flash_window_attention, flash_window_attention_image, plan
-from kernels.ops import LaunchReplay, Recording, _specialization, cdiv, launch_direct, next_power_of_2
+from kernels.ops import (
+    LaunchReplay,
+    Recording,
+    _specialization,
+    cdiv,
+    launch_direct,
+    next_power_of_2,
+    recording_launches,
+    scratch,
+)
 from swin.models.windows import WindowSpec, shifted_window_mask
 
 
@@ -76,14 +86,83 @@ def test_replay_refuses_calls_it_cannot_repeat():
     assert LaunchReplay.record(recording(x, out), (x, x), (out,)) is None  # one tensor, two inputs
 
 
-def _check_replay_is_exact(call: int, op_call, *args) -> None:
-    """op_call(*args) (eager, replay on) equals bitwise the same call with replay off."""
+class _HostKernel:
+    """A Triton kernel's stand-in for launches on the CPU: ``kernel[grid](*args)`` (the JIT's first launch) and the
+    compiled kernel's ``run`` (its launcher's signature, what launch_direct and LaunchReplay call) run ``body`` on
+    the arguments."""
+
+    params: list = []  # no constexpr arguments
+    function = packed_metadata = None
+
+    def __init__(self, body):
+        self.body, self.runs = body, 0
+
+    def __getitem__(self, grid):
+        def first_launch(*args):
+            self.run(*(*grid, 1, 1)[:3], None, None, None, None, None, None, *args)
+            return self
+        return first_launch
+
+    def run(self, grid_x, grid_y, grid_z, stream, function, metadata, launch_metadata, enter, exit_, *args):
+        self.runs += 1
+        self.body(*args)
+
+
+def test_replay_hands_out_scratch_outputs_allocated_as_the_call_did(monkeypatch):
+    """A call whose outputs are a buffer its first kernel writes whole and a zeroed scratch accumulator its second
+    kernel adds into (as the flash backward's fill gradient): the replay on new inputs runs the kernels again, with
+    a new accumulator zeroed as the call's was, and equals the call's arithmetic; one tensor returned as two outputs
+    is refused."""
+    monkeypatch.setattr(kernels.ops, "_INTERPRET", False)  # launch_direct's own path, not the interpreter's
+    monkeypatch.setattr(kernels.ops, "_COMPILED", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    double = _HostKernel(lambda x, out: out.copy_(2 * x))
+    accumulate = _HostKernel(lambda x, acc, times: acc.add_(x.sum(0) * times))
+
+    def call(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty_like(x)
+        acc = scratch((x.shape[1],), x.dtype, x.device, zero=True)
+        launch_direct(double, (1,), x, out)
+        for _ in range(2):  # added into twice: a replay that did not zero it would be off by the call before
+            launch_direct(accumulate, (1,), x, acc, 3)
+        return out, acc
+
+    first = torch.randn(5, 4, dtype=torch.float64)
+    with recording_launches() as recording:
+        outputs = call(first)
+    replay = LaunchReplay.record(recording, (first,), outputs)
+    assert replay is not None
+    previous = outputs
+    for _ in range(3):
+        x = torch.randn(5, 4, dtype=torch.float64)
+        out, acc = replay((x,))
+        torch.testing.assert_close(out, 2 * x, rtol=0, atol=0)
+        torch.testing.assert_close(acc, 6 * x.sum(0), rtol=1e-12, atol=1e-12)
+        assert acc.data_ptr() not in {t.data_ptr() for t in previous}
+        previous = out, acc
+    assert (double.runs, accumulate.runs) == (4, 8)
+
+    with recording_launches() as recording:
+        out, _ = call(first)
+    assert LaunchReplay.record(recording, (first,), (out, out)) is None
+
+
+def _check_replay_is_exact(call: int, op_call, *args, summed_atomically: tuple[int, ...] = ()
+                           ) -> tuple[torch.Tensor, ...]:
+    """op_call(*args) (eager, replay on) equals bitwise the same call with replay off, except the results at the
+    indices summed_atomically (added up by atomics in whatever order the programs run: equal to fp32 rounding);
+    returns its results."""
     got = op_call(*args)
     plan.set_tuning(plan.Tuning(replay=False))
     expected = op_call(*args)
     plan.set_tuning(plan.Tuning())
-    for g, e in zip(got, expected):
-        assert torch.equal(g, e), f"call {call}: replayed result differs"
+    for i, (g, e) in enumerate(zip(got, expected)):
+        if i in summed_atomically:
+            torch.testing.assert_close(g, e, msg=lambda m, i=i: f"call {call}, result {i}: {m}")
+        else:
+            assert torch.equal(g, e), f"call {call}: replayed result {i} differs"
+    return got
 
 
 def _replayed_bodies() -> dict[str, bool]:
@@ -91,26 +170,34 @@ def _replayed_bodies() -> dict[str, bool]:
     return {key[0].__name__: bool(replay) for key, replay in flash_launch._REPLAYS.items()}
 
 
-def _image_call(qkv, table, mask, qkv_bias, window, shift, grad_out):
-    """(out, dqkv, dtable) of one eager image-op call with autograd."""
-    qkv = qkv.detach().requires_grad_()
-    table = table.detach().requires_grad_()
-    out = flash_window_attention_image(qkv, table, mask, qkv_bias, window, shift, qkv.shape[-1] ** -0.5)
+def _image_call(qkv, table, mask, qkv_bias, logit_scale, window, shift, grad_out):
+    """(out, dqkv, dtable, dqkv_bias, dlogit_scale) of one eager image-op call with autograd; logit_scale None, or
+    Swin V2's cosine attention with its exp as the scale."""
+    qkv, table, qkv_bias = (t.detach().requires_grad_() for t in (qkv, table, qkv_bias))
+    leaves = [qkv, table, qkv_bias]
+    cosine_scale = None
+    if logit_scale is not None:
+        leaves.append(logit_scale.detach().requires_grad_())
+        cosine_scale = leaves[-1].exp()
+    scale = 1.0 if cosine_scale is not None else qkv.shape[-1] ** -0.5
+    out = flash_window_attention_image(qkv, table, mask, qkv_bias, window, shift, scale, cosine_scale)
     out.backward(grad_out)
-    return out.detach(), qkv.grad, table.grad
+    return (out.detach(), *(t.grad if t.grad is not None else torch.zeros(0) for t in leaves))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("feat, window, shifted, dtype, offset", [
-    ((56, 56), (7, 7), True, torch.bfloat16, 0),    # Swin-T stage 1
-    ((14, 14), (7, 7), False, torch.float32, 0),    # unshifted
-    ((20, 26), (7, 7), True, torch.float16, 0),     # padded: the fill's gradient is a torch op, not replayed
-    ((24, 24), (12, 12), True, torch.bfloat16, 1),  # 12x12 windows; qkv 2 bytes off 16-byte alignment
+@pytest.mark.parametrize("feat, window, shifted, dtype, offset, cosine", [
+    ((56, 56), (7, 7), True, torch.bfloat16, 0, False),    # Swin-T stage 1
+    ((14, 14), (7, 7), False, torch.float32, 0, False),    # unshifted
+    ((20, 26), (7, 7), True, torch.float16, 0, False),     # padded: the fill's gradient (a zeroed accumulator)
+    ((24, 24), (12, 12), True, torch.bfloat16, 1, False),  # 12x12 windows; qkv 2 bytes off 16-byte alignment
+    ((16, 16), (8, 8), True, torch.bfloat16, 0, True),     # Swin V2: the cosine scale's per-program partial sums
+    ((20, 26), (8, 8), True, torch.float32, 0, True),      # Swin V2, padded
 ])
-def test_gpu_replayed_calls_equal_the_ops_python(feat, window, shifted, dtype, offset):
+def test_gpu_replayed_calls_equal_the_ops_python(feat, window, shifted, dtype, offset, cosine):
     """Eager forward+backward of the image op, first call (recorded), replayed calls on new data and the same call
-    with replay off give bitwise the same outputs and gradients (the same kernels on the same inputs); replay is on
-    for the forward always and for the backward where no torch op makes an output."""
+    with replay off give bitwise the same outputs and gradients (the same kernels on the same inputs); forward and
+    backward replay, padded maps and Swin V2 included."""
     heads, head_dim, batch = 3, 32, 2
     shift = tuple(w // 2 for w in window) if shifted else (0, 0)
     spec = WindowSpec(feat, window, shift)
@@ -123,9 +210,13 @@ def test_gpu_replayed_calls_equal_the_ops_python(feat, window, shifted, dtype, o
             qkv = torch.randn(size + offset, device="cuda", dtype=dtype)[offset:].view(batch, *feat, 3, heads, head_dim)
             table = torch.randn((2 * window[0] - 1) * (2 * window[1] - 1), heads, device="cuda")
             qkv_bias = torch.randn(3, heads, head_dim, device="cuda")  # padded tokens' k and v
+            logit_scale = torch.randn(heads, device="cuda") if cosine else None
             grad_out = torch.randn(batch, *feat, heads, head_dim, device="cuda", dtype=dtype)
-            _check_replay_is_exact(call, _image_call, qkv, table, mask, qkv_bias, window, shift, grad_out)
-        assert _replayed_bodies() == {"_image_forward": True, "_image_backward": not padded}
+            got = _check_replay_is_exact(call, _image_call, qkv, table, mask, qkv_bias, logit_scale, window, shift,
+                                         grad_out, summed_atomically=(3,))
+            # the fill's gradient (padded maps only) and the cosine scale's were compared too
+            assert (got[3].numel() > 0, got[4].numel() > 0) == (padded, cosine)
+        assert _replayed_bodies() == {"_image_forward": True, "_image_backward": True}
     finally:
         plan.set_tuning(plan.Tuning.from_env())
 
@@ -142,8 +233,8 @@ def _window_call(q, k, v, bias, mask, grid, window, grad_out):
 @pytest.mark.parametrize("dense", [False, True], ids=["table", "dense"])
 def test_gpu_replayed_window_calls_equal_the_ops_python(dense):
     """As test_gpu_replayed_calls_equal_the_ops_python, for the window layout (q, k, v per window) of shifted
-    Swin-T stage 2 windows: replayed forward always, backward with a bias table (a dense bias's gradient is the
-    summed scratch buffer itself, which a replay cannot hand out)."""
+    Swin-T stage 2 windows, with a bias table and with a dense bias (whose gradient is the call's summed scratch
+    buffer itself)."""
     heads, head_dim, batch, window, feat = 6, 32, 2, (7, 7), (28, 28)
     spec = WindowSpec(feat, window, (3, 3))
     windows, area = batch * spec.num_windows, window[0] * window[1]
@@ -156,6 +247,6 @@ def test_gpu_replayed_window_calls_equal_the_ops_python(dense):
             bias = (torch.randn(heads, area, area, device="cuda") if dense else
                     torch.randn((2 * window[0] - 1) * (2 * window[1] - 1), heads, device="cuda"))
             _check_replay_is_exact(call, _window_call, q, k, v, bias, mask, spec.grid_size, window, grad_out)
-        assert _replayed_bodies() == {"_window_forward": True, "_window_backward": not dense}
+        assert _replayed_bodies() == {"_window_forward": True, "_window_backward": True}
     finally:
         plan.set_tuning(plan.Tuning.from_env())

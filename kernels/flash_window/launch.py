@@ -142,8 +142,10 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
               table_window: tuple[int, int], scale: float, q_scale: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Writes dq, dk, dv into dqkv (sd_t elements apart) (of the raw q and k with q_scale); returns (bias
-    gradient, fill gradient or None, q_scale gradient or None). tiles: the forward's bias tiles (4 classes when
-    shifted); bias: the forward's bias (dense or a table), for its gradient's shape and dtype."""
+    gradient, the fill gradient in fp32 or None, the q_scale gradient's (programs, heads) fp32 partial sums or
+    None): what the kernels write, so that an eager call replays whole; :func:`_finish_image_grads` makes them the
+    gradients. tiles: the forward's bias tiles (4 classes when shifted); bias: the forward's bias (dense or a
+    table), for its gradient's shape and dtype."""
     ints, eager = geo.ints(), _eager_launch(q)
     backward_plan = plan.backward_plan if eager else plan.backward_plan.__wrapped__  # as in _forward
     cfg, keywords = backward_plan(ints, geo.window, heads, head_dim, q.dtype, q.device, tiles.shape[0] > 1,
@@ -160,8 +162,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
                      q_scale if q_scale is not None else tiles, dq_scale if dq_scale is not None else partial,
                      *ints, head_dim, heads, scale, **keywords)
     _report(kernel, cfg)
-    return (_bias_grad(partial, bias, table_window), dfill.to(fill.dtype) if dfill is not None else None,
-            dq_scale.sum(0).to(q_scale.dtype) if dq_scale is not None else None)
+    return _bias_grad(partial, bias, table_window), dfill, dq_scale
 
 
 # eager calls' launches by signature (kernels.ops.LaunchReplay), replayed by later calls of it; False: a signature
@@ -269,7 +270,21 @@ def image_backward(grad_out: torch.Tensor, qkv: torch.Tensor, tiles: torch.Tenso
                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dqkv, bias gradient, fill gradient, cosine-scale gradient; an empty tensor for an absent one); eager
     calls replay (_replayed)."""
-    return _replayed(_image_backward, (grad_out, qkv, tiles, bias, kv_fill, q_scale), window, shift, scale)
+    dqkv, dbias, dfill, dq_scale = _replayed(_image_backward, (grad_out, qkv, tiles, bias, kv_fill, q_scale), window,
+                                             shift, scale)
+    return dqkv, dbias, *_finish_image_grads(dfill, dq_scale, kv_fill, q_scale)
+
+
+def _finish_image_grads(dfill: torch.Tensor, dq_scale: torch.Tensor, kv_fill: torch.Tensor | None,
+                       q_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fill and cosine-scale gradients from what the backward kernel writes (_backward): the fp32 fill
+    gradient in the fill's dtype, the programs' partial sums summed; empty tensors stay empty. Torch ops, so they
+    run after the replayable launches."""
+    if kv_fill is not None:
+        dfill = dfill.to(kv_fill.dtype)
+    if q_scale is not None:
+        dq_scale = dq_scale.sum(0).to(q_scale.dtype)
+    return dfill, dq_scale
 
 
 def _image_backward(grad_out: torch.Tensor, qkv: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor,
@@ -286,5 +301,5 @@ def _image_backward(grad_out: torch.Tensor, qkv: torch.Tensor, tiles: torch.Tens
                                        _image_strides(grad_out), dqkv, dqkv.stride(3), _image_strides(dqkv), heads,
                                        hd, tiles, bias, fill, _image_geometry(qkv, window, shift), tuple(window),
                                        scale, q_scale)
-    # ops return tensors only; an empty one stands for "no fill" / "no q_scale"
+    # ops return tensors only; an empty one stands for "no fill" / "no q_scale"; image_backward finishes the two
     return dqkv, dbias, qkv.new_empty(0) if dfill is None else dfill, qkv.new_empty(0) if dq_scale is None else dq_scale
