@@ -45,9 +45,9 @@ from swin.data.loaders import build_eval_loader
 from swin.io import write_json
 from swin.models.attention import check_backend
 from swin.models.pretrained import Checkpoint, checkpoint_num_classes, load_into, read_source
-from swin.models.registry import config_overrides, create_model
+from swin.models.registry import MODEL_CONFIGS, config_overrides, create_model
 from swin.precision import TRAIN_AMP_CHOICES, autocast, resolve_amp
-from swin.train.checks import compile_mode
+from swin.train.checks import check_arch, compile_mode, model_arch
 from swin.train.distributed import all_reduce_sum, barrier, cleanup, init_distributed
 
 log = logging.getLogger("swin.eval")
@@ -305,6 +305,8 @@ def run_eval(cfg: EvalAppConfig | DictConfig, run_dir: str | os.PathLike,
         num_classes = model_cfg.num_classes or checkpoint_num_classes(ckpt.state_dict)
         if not num_classes:
             raise ValueError(f"checkpoint {cfg.checkpoint} has no classifier; it cannot be evaluated as is")
+        if model_cfg.name in MODEL_CONFIGS:  # else create_model names the unknown model
+            check_arch(model_arch(model_cfg))
         model = create_model(model_cfg.name, num_classes=num_classes, **config_overrides(model_cfg))
         report = load_into(model, ckpt, reset_head=False)
         model.to(dist.device)

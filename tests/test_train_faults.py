@@ -59,6 +59,15 @@ def test_corrupt_images_skipped_and_counted(tmp_path):
     ("train.eval_batch_size=0", r"^train.eval_batch_size=0: set train.eval_batch_size to 1 or more$"),
     ("data.num_workers=-1", r"^data.num_workers=-1: set data.num_workers to 0 or more$"),
     ("train.label_smoothing=1.5", r"^train.label_smoothing=1.5: set train.label_smoothing between 0 and 1$"),
+    # architectures no Swin is built with: one line, not a ZeroDivisionError or a torch error from the model
+    ("model.window_size=0", r"^model.window_size=0: set model.window_size to 1 or more$"),
+    ("model.patch_size=[4,0]", r"^model.patch_size=\[4, 0\]: set model.patch_size to 1 or more$"),
+    ("model.embed_dim=7", r"^model.num_heads=\[2, 4\]: stage 1 has 7 channels \(model.embed_dim=7, doubled per "
+                          r"stage\), which 2 heads do not divide; change model.num_heads or model.embed_dim$"),
+    ("model.depths=[2,2,2]", r"^model.depths=\[2, 2, 2\] and model.num_heads=\[2, 4\] need one entry each per "
+                             r"stage: give them the same length$"),
+    ("model.num_heads=[2,0]", r"^model.num_heads=\[2, 0\]: set every entry to 1 or more$"),
+    ("model.drop_path_rate=1.5", r"^model.drop_path_rate=1.5: set model.drop_path_rate between 0 and 1$"),
 ])
 def test_wrong_config_fails_before_training(tmp_path, override, fix):
     with pytest.raises(ConfigError, match=fix):
@@ -82,6 +91,7 @@ def _one_line_error(r) -> str:
     (["device=gpu"], "device='gpu': use auto, cpu, cuda or cuda:<index>"),
     (["train.opt=adamx"], "train.opt='adamx': Optimizer adamx not found in registry"),
     (["train.sched=cosin"], "train.sched='cosin': Unknown scheduler 'cosin'"),
+    (["model.window_size=0"], "model.window_size=0: set model.window_size to 1 or more"),
 ])
 def test_cli_typo_is_one_line(tmp_path, overrides, says):
     r = run_cli(f"hydra.run.dir={tmp_path}", "train.epochs=1", "train.warmup_epochs=0", "logger.wandb.mode=disabled",

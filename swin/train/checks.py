@@ -37,6 +37,36 @@ def _size(key: str, value: Any) -> tuple[int, int]:
     raise ConfigError(f"model.{key}={value!r}: use an integer or [height, width] (integers)")
 
 
+def check_arch(arch: dict[str, Any]) -> None:
+    """One line naming the model.<key> of an architecture (model_arch's) no Swin can be built with: sizes below 1,
+    stages without one depth and one head count each, a stage whose channels the heads do not divide, a stochastic
+    depth rate outside [0, 1], Swin V2 pretrained windows not one per stage."""
+    for key in ("img_size", "patch_size", "window_size"):
+        if min(_size(key, arch[key])) < 1:
+            raise ConfigError(f"model.{key}={arch[key]!r}: set model.{key} to 1 or more")
+    depths, heads, dim = list(arch["depths"]), list(arch["num_heads"]), arch["embed_dim"]
+    if not depths or len(depths) != len(heads):
+        raise ConfigError(f"model.depths={depths} and model.num_heads={heads} need one entry each per stage: give "
+                          "them the same length")
+    if dim < 1:
+        raise ConfigError(f"model.embed_dim={dim}: set model.embed_dim to 1 or more")
+    for key, values in (("model.depths", depths), ("model.num_heads", heads)):
+        if min(values) < 1:
+            raise ConfigError(f"{key}={values}: set every entry to 1 or more")
+    for stage, stage_heads in enumerate(heads):
+        if (dim << stage) % stage_heads:
+            raise ConfigError(f"model.num_heads={heads}: stage {stage + 1} has {dim << stage} channels "
+                              f"(model.embed_dim={dim}, doubled per stage), which {stage_heads} heads do not divide; "
+                              "change model.num_heads or model.embed_dim")
+    rate = arch.get("drop_path_rate", 0.0)
+    if not 0 <= rate <= 1:
+        raise ConfigError(f"model.drop_path_rate={rate}: set model.drop_path_rate between 0 and 1")
+    windows = arch.get("pretrained_window_sizes")
+    if windows is not None and len(windows) != len(depths):
+        raise ConfigError(f"model.pretrained_window_sizes={list(windows)}: give one per stage ({len(depths)}; 0: "
+                          "the stage's own window)")
+
+
 AT_LEAST = {  # key: lowest accepted value (null is accepted where the schema allows it)
     "train.epochs": 1, "train.batch_size": 1, "train.accum_steps": 1, "train.eval_batch_size": 1,
     "train.lr_base_size": 1, "train.eval_every": 1, "train.max_nonfinite": 1, "train.dist_timeout_s": 1,
@@ -105,6 +135,7 @@ def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torc
     except ValueError as e:
         raise ConfigError(str(e)) from None
     arch = model_arch(m)
+    check_arch(arch)
     img, patch, window = (_size(k, arch[k]) for k in ("img_size", "patch_size", "window_size"))
     if img[0] % patch[0] or img[1] % patch[1]:
         raise ConfigError(f"model.img_size={arch['img_size']} is not a multiple of model.patch_size="
