@@ -156,6 +156,23 @@ def test_bad_config_errors(bad, match):
         swin.create_model(**bad)
 
 
+def test_flash_window_refuses_blocks_it_cannot_run_when_the_model_is_built():
+    """attention=flash_window with windows or heads beyond the kernel's limits fails when the model is built or
+    switched, naming the fix, not at the first forward; set_attention then switches no block (attention=auto builds
+    the same model and runs sdpa for those blocks)."""
+    with pytest.raises(ValueError, match=r"17x17 windows of head_dim 16: flash_window supports windows of at most "
+                                         r"256 tokens, got 289; use attention auto"):
+        swin.create_model("swin_micro", attention="flash_window", window_size=17, img_size=36)
+    # stage 1: 72 channels in one head (fits); stage 2: 144 channels in one head (head_dim > 128 does not)
+    model = swin.create_model("swin_micro", attention="auto", embed_dim=72, num_heads=(1, 1))
+    x = torch.randn(2, 3, 16, 16)
+    before = model.eval()(x)
+    with pytest.raises(ValueError, match="head_dim 144: flash_window supports head_dim up to 128, got 144"):
+        model.set_attention("flash_window")
+    assert {block.attn.attention for stage in model.layers for block in stage.blocks} == {"auto"}
+    assert torch.equal(model(x), before)
+
+
 def test_bad_input_errors():
     model = swin.create_model("swin_micro")
     with pytest.raises(ValueError, match="input channels"):

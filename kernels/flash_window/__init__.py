@@ -8,8 +8,9 @@ from kernels.flash_window.api import (
     SUPPORTED_DTYPES,
     flash_window_attention,
     flash_window_attention_image,
+    unsupported_geometry,
     unsupported_reason,
 )
 
 __all__ = ["MAX_HEAD_DIM", "MAX_WINDOW_AREA", "SUPPORTED_DTYPES", "flash_window_attention",
-           "flash_window_attention_image", "unsupported_reason"]
+           "flash_window_attention_image", "unsupported_geometry", "unsupported_reason"]

@@ -36,6 +36,12 @@ def unsupported_reason(x: torch.Tensor, window_area: int, head_dim: int) -> str 
                 "(or set TRITON_INTERPRET=1 before importing triton to run the kernel in the interpreter)")
     if x.dtype not in SUPPORTED_DTYPES:
         return f"flash_window supports float16, bfloat16 and float32, not {x.dtype}"
+    return unsupported_geometry(window_area, head_dim)
+
+
+def unsupported_geometry(window_area: int, head_dim: int) -> str | None:
+    """Why the kernel cannot take windows of window_area tokens with heads of head_dim channels (None if it can),
+    whatever the device and dtype."""
     if window_area > MAX_WINDOW_AREA:
         return f"flash_window supports windows of at most {MAX_WINDOW_AREA} tokens, got {window_area}"
     if head_dim > MAX_HEAD_DIM:

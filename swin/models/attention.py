@@ -115,6 +115,17 @@ def flash_window_attention(qkv: torch.Tensor, args: WindowAttentionArgs) -> torc
                                         spec.shift_size, args.scale, args.cosine_scale)
 
 
+def check_flash_window(window_size: tuple[int, int], head_dim: int) -> None:
+    """ValueError, naming the fix, where the flash_window kernel cannot take windows of window_size with heads of
+    head_dim channels (a model is checked when it is built, not at its first forward)."""
+    from kernels.flash_window import unsupported_geometry
+    reason = unsupported_geometry(window_size[0] * window_size[1], head_dim)
+    if reason is not None:
+        raise ValueError(f"attention flash_window cannot run this model's {window_size[0]}x{window_size[1]} windows "
+                         f"of head_dim {head_dim}: {reason}; use attention auto (sdpa where flash_window cannot "
+                         "run) or sdpa (model.attention=auto on the command line)")
+
+
 _auto_warned: set[str] = set()
 
 

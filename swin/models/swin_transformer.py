@@ -21,7 +21,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils.checkpoint import checkpoint
 
 from kernels.merge_norm import merge_norm
-from swin.models.attention import WindowAttentionArgs, get_backend
+from swin.models.attention import WindowAttentionArgs, check_flash_window, get_backend
 from swin.models.windows import (
     WindowSpec,
     clamp_window_and_shift,
@@ -105,8 +105,12 @@ class WindowAttentionBase(nn.Module, abc.ABC):
     proj: nn.Linear
 
     def set_attention(self, name: str) -> None:
-        self.attention = name
-        self.backend = get_backend(name)
+        """Backend ``name`` for this module; ValueError, naming the fix, where flash_window cannot take its windows
+        or heads."""
+        backend = get_backend(name)
+        if name == "flash_window":
+            check_flash_window(self.window_size, self.head_dim)
+        self.attention, self.backend = name, backend
 
     @abc.abstractmethod
     def backend_inputs(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None
@@ -522,11 +526,15 @@ class SwinTransformer(nn.Module):
         return self.layers[0].blocks[0].attn.attention
 
     def set_attention(self, name: str) -> SwinTransformer:
-        """Switch every block to backend `name` in place; weights are untouched."""
+        """Switch every block to backend `name` in place; weights are untouched. ValueError, with no block switched,
+        where flash_window cannot take some block's windows or heads."""
         get_backend(name)
-        for module in self.modules():
-            if isinstance(module, WindowAttentionBase):
-                module.set_attention(name)
+        attentions = [module for module in self.modules() if isinstance(module, WindowAttentionBase)]
+        if name == "flash_window":
+            for module in attentions:
+                check_flash_window(module.window_size, module.head_dim)
+        for module in attentions:
+            module.set_attention(name)
         return self
 
     def set_fused_mlp_act(self, enabled: bool) -> SwinTransformer:

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from swin.config import ConfigError, TrainAppConfig, TrainConfig, as_folder
 from swin.data.datasets import augment_mode, build_datasets, decode_mode
 from swin.data.loaders import build_loaders, worker_count
+from swin.models.pretrained import CheckpointError
 from swin.models.registry import config_overrides, create_model
 from swin.precision import TRAIN_AMP_CHOICES, autocast, fp8_linears, resolve_amp
 from swin.train.checks import FUSED_OPTS, compile_mode, model_arch
@@ -93,8 +94,13 @@ def _build_criterion(t: TrainConfig, num_classes: int) -> tuple[nn.Module, Mixup
 def _build_model(cfg: TrainAppConfig, dist: DistInfo, num_classes: int) -> nn.Module:
     """The model on its device: the same initialisation on every rank, per-rank randomness afterwards."""
     torch.manual_seed(cfg.seed)
-    model = create_model(cfg.model.name, pretrained=cfg.model.pretrained, num_classes=num_classes,
-                         **config_overrides(cfg.model))
+    try:
+        model = create_model(cfg.model.name, pretrained=cfg.model.pretrained, num_classes=num_classes,
+                             **config_overrides(cfg.model))
+    except CheckpointError:
+        raise
+    except ValueError as e:  # an architecture the backend cannot run (flash_window's limits): one line
+        raise ConfigError(str(e)) from None
     model.set_grad_checkpointing(cfg.train.grad_checkpointing)
     model.to(dist.device)
     seed_everything(cfg.seed + dist.rank)
