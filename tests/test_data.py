@@ -53,6 +53,37 @@ class _Batches(list):
     batch_size = 4
 
 
+def _class_folders(root, layout: dict[str, list[str]]) -> None:
+    """root/<split>/<class>/ with two PNGs of random pixels per class; a class named "-empty" gets its folder
+    (named "empty") without images."""
+    from PIL import Image
+    for split, classes in layout.items():
+        for c in classes:
+            folder = root / split / c.lstrip("-")
+            folder.mkdir(parents=True)
+            for i in range(0 if c.startswith("-") else 2):
+                Image.fromarray(torch.randint(0, 256, (9, 9, 3), dtype=torch.uint8).numpy()).save(folder / f"{i}.png")
+
+
+@pytest.mark.parametrize("layout, says", [
+    ({"train": ["a", "b"], "val": ["a", "b", "c"]},
+     "have different class folders (only in val/: c); both splits need the same set of class sub-folders"),
+    ({"train": ["a", "b", "d"], "val": ["a", "c"]}, "(only in train/: b, d; only in val/: c)"),
+    ({"train": ["a", "b", "-empty"], "val": ["a", "b"]},
+     "Found no valid file for the classes empty. Supported extensions are"),
+    ({"train": ["a"], "val": ["a"]}, "has 1 class folder (a); classification needs at least 2"),
+])
+def test_folder_layout_mistakes_name_the_classes_and_the_fix(tmp_path, layout, says):
+    """A folder dataset whose splits disagree, which has an empty class folder or a single class stops at start
+    with a ValueError naming the classes (train.py prints it as one line)."""
+    _class_folders(tmp_path, layout)
+    with pytest.raises(ValueError) as error:
+        build_datasets(_folder_cfg(tmp_path), 16)
+    assert says in str(error.value)
+    if "-empty" in layout["train"]:
+        assert f"({tmp_path / 'train'}: every class needs a sub-folder holding its images" in str(error.value)
+
+
 def test_device_loader_yields_every_batch_in_order_normalised():
     batches = _uint8_batches(5, skipped=1)
     norm = _Normalize(torch.device("cpu"), IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)

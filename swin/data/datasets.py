@@ -180,8 +180,14 @@ def folder_datasets(cfg: ImageFolderDataConfig, img_size: tuple[int, int]) -> Da
     train = folder_split(cfg, root / cfg.train_dir, img_size, train=True)
     val = folder_split(cfg, root / cfg.val_dir, img_size, train=False)
     if train.classes != val.classes:
-        raise ValueError(f"{root / cfg.train_dir} and {root / cfg.val_dir} have different class folders; "
-                         "both splits need the same set of class sub-folders")
+        differ = [f"only in {split}/: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+                  for split, names in ((cfg.train_dir, sorted(set(train.classes) - set(val.classes))),
+                                       (cfg.val_dir, sorted(set(val.classes) - set(train.classes)))) if names]
+        raise ValueError(f"{root / cfg.train_dir} and {root / cfg.val_dir} have different class folders "
+                         f"({'; '.join(differ)}); both splits need the same set of class sub-folders")
+    if len(train.classes) < 2:
+        raise ValueError(f"{root / cfg.train_dir} has {len(train.classes)} class folder ({train.classes[0]}); "
+                         "classification needs at least 2")
     return Datasets(train, val, num_classes=len(train.classes), mean=mean, std=std,
                     re_prob=cfg.reprob, re_mode=cfg.remode, re_count=cfg.recount)
 

@@ -33,7 +33,11 @@ class CheckedImageFolder(Dataset):
 
     def __init__(self, root: Path, transform: Any, skip_corrupt: bool):
         from torchvision.datasets import ImageFolder
-        self.folder = ImageFolder(str(root))
+        try:
+            self.folder = ImageFolder(str(root))
+        except FileNotFoundError as e:  # torchvision's: no class folders, or a class folder with no image
+            raise ValueError(f"{e} ({root}: every class needs a sub-folder holding its images; remove empty ones)"
+                             ) from None
         self.transform, self.skip_corrupt = transform, skip_corrupt
 
     @property
