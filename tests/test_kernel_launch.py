@@ -151,15 +151,15 @@ def test_replay_hands_out_scratch_outputs_allocated_as_the_call_did(monkeypatch)
 def _check_replay_is_exact(call: int, op_call, *args, summed_atomically: tuple[int, ...] = ()
                            ) -> tuple[torch.Tensor, ...]:
     """op_call(*args) (eager, replay on) equals bitwise the same call with replay off, except the results at the
-    indices summed_atomically (added up by atomics in whatever order the programs run: equal to fp32 rounding);
-    returns its results."""
+    indices summed_atomically (added up by atomics in whatever order the programs run, then rounded to the inputs'
+    dtype: equal to within one fp16 rounding); returns its results."""
     got = op_call(*args)
     plan.set_tuning(plan.Tuning(replay=False))
     expected = op_call(*args)
     plan.set_tuning(plan.Tuning())
     for i, (g, e) in enumerate(zip(got, expected)):
         if i in summed_atomically:
-            torch.testing.assert_close(g, e, msg=lambda m, i=i: f"call {call}, result {i}: {m}")
+            torch.testing.assert_close(g, e, rtol=2e-3, atol=1e-5, msg=lambda m, i=i: f"call {call}, result {i}: {m}")
         else:
             assert torch.equal(g, e), f"call {call}: replayed result {i} differs"
     return got
