@@ -100,6 +100,20 @@ def test_cli_typo_is_one_line(tmp_path, overrides, says):
     assert not (tmp_path / "checkpoints" / "last.pt").exists()
 
 
+def test_wandb_online_without_a_login_is_one_line(tmp_path, monkeypatch):
+    """logger.wandb.mode=online where wandb has no API key (no login, no WANDB_API_KEY): one line naming the
+    fix, not wandb's traceback."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc or wandb settings of the machine's user
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / ".config" / "wandb"))
+    r = run_cli(f"hydra.run.dir={tmp_path / 'run'}", "train.epochs=1", "train.warmup_epochs=0",
+                "logger.wandb.mode=online")
+    line = _one_line_error(r)
+    assert line.startswith("error: logger.wandb.mode=online: wandb did not start (") and "No API key" in line
+    assert "run `wandb login`, or log offline (logger.wandb.mode=offline, the default)" in line
+
+
 def test_resuming_another_model_is_one_line(tmp_path):
     """Rerunning in a run directory whose last.pt is of another model (a changed model.* key) names the mismatch
     and the fix; the old checkpoint stays."""

@@ -28,9 +28,15 @@ def init_wandb(cfg: TrainAppConfig, run_dir: Path, run_id: str | None) -> Any:
                     "logger.wandb.mode=disabled to silence this)")
         return None
     offline = wcfg.mode == "offline"
-    run = wandb.init(project=wcfg.project, entity=wcfg.entity, name=wcfg.name, tags=list(wcfg.tags),
-                     mode=wcfg.mode, dir=str(run_dir), id=run_id, resume="allow", config=to_dict(cfg),
-                     settings=wandb.Settings(silent=True) if offline else None)  # no banner nor footer
+    try:
+        run = wandb.init(project=wcfg.project, entity=wcfg.entity, name=wcfg.name, tags=list(wcfg.tags),
+                         mode=wcfg.mode, dir=str(run_dir), id=run_id, resume="allow", config=to_dict(cfg),
+                         settings=wandb.Settings(silent=True) if offline else None)  # no banner nor footer
+    except wandb.errors.Error as e:  # online without a login, or without a network to wandb's server
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"logger.wandb.mode={wcfg.mode}: wandb did not start ({reason}); run `wandb login`, or "
+                          "log offline (logger.wandb.mode=offline, the default) and `wandb sync` the run later"
+                          ) from None
     if offline:
         where = getattr(getattr(run, "settings", None), "sync_dir", None) or run_dir / "wandb"
         log.info(f"offline wandb run in {where}; upload it with `wandb sync {where}`")
