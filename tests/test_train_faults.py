@@ -125,6 +125,20 @@ def test_resuming_another_model_is_one_line(tmp_path):
     assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == saved
 
 
+def test_resuming_from_a_damaged_last_pt_is_one_line(tmp_path):
+    """Rerunning in a run directory whose last.pt was damaged outside the run (saves are atomic: a truncated copy,
+    a full disk elsewhere) names the file and the fix, and leaves it as it is."""
+    train(make_cfg(*DET, "train.epochs=1"), tmp_path)
+    last = tmp_path / "checkpoints" / "last.pt"
+    last.write_bytes(last.read_bytes()[:1000])
+    damaged = last.read_bytes()
+    line = _one_line_error(run_cli(f"hydra.run.dir={tmp_path}", *DET, "train.epochs=2"))
+    assert line.startswith(f"error: could not read checkpoint {last}: the file is truncated or corrupt (")
+    assert line.endswith("Move it out of the way to start the run afresh, or resume from another file with "
+                         "train.resume=PATH.")
+    assert last.read_bytes() == damaged
+
+
 def test_cli_config_error_is_a_message_not_a_traceback(tmp_path):
     r = run_cli(f"hydra.run.dir={tmp_path}", "train.batch_size=30", "train.accum_steps=4")
     assert r.returncode == 2

@@ -87,14 +87,14 @@ def _is_safetensors(path: Path) -> bool:
     return head[8:9] == b"{" and 0 < n < path.stat().st_size
 
 
-def _corrupt(path: Path, err: BaseException) -> CheckpointError:
+def corrupt_checkpoint(path: Path, err: BaseException, fix: str = "Re-download or re-save it.") -> CheckpointError:
+    """The one-line error for a checkpoint file torch cannot read (err: what torch.load raised), ending in ``fix``."""
     if isinstance(err, pickle.UnpicklingError):  # torch's message here is a long note about weights_only
         detail = "not a valid PyTorch checkpoint: unpickling failed"
     else:
         lines = str(err).strip().splitlines()
         detail = f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
-    return CheckpointError(f"could not read checkpoint {path}: the file is truncated or corrupt ({detail}). "
-                           "Re-download or re-save it.")
+    return CheckpointError(f"could not read checkpoint {path}: the file is truncated or corrupt ({detail}). {fix}")
 
 
 def _torch_load(path: Path) -> Any:
@@ -118,10 +118,10 @@ def _torch_load(path: Path) -> Any:
                 f"checkpoint {path} holds Python objects that are not plain weights ({', '.join(unsafe)}); "
                 f"they are not unpickled because that can run code. If you trust the file, re-save just the "
                 f"weights: torch.save(torch.load(path, weights_only=False)['model'], 'weights.pth').") from None
-        raise _corrupt(path, e) from None
+        raise corrupt_checkpoint(path, e) from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, struct.error,
             IndexError, KeyError, TypeError) as e:  # the last three: the unpickler's stack machine on garbage bytes
-        raise _corrupt(path, e) from None
+        raise corrupt_checkpoint(path, e) from None
 
 
 def read_file(path: str | os.PathLike) -> Any:
@@ -136,7 +136,7 @@ def read_file(path: str | os.PathLike) -> Any:
         try:
             return safetensors.torch.load_file(str(path), device="cpu")
         except Exception as e:  # safetensors raises its own error types
-            raise _corrupt(path, e) from None
+            raise corrupt_checkpoint(path, e) from None
     return _torch_load(path)
 
 

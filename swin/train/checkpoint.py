@@ -18,7 +18,7 @@ import torch
 
 from swin.config import to_dict
 from swin.io import atomic_write, remove_stale_temporaries
-from swin.models.pretrained import CheckpointError
+from swin.models.pretrained import CheckpointError, corrupt_checkpoint
 from swin.train.distributed import all_gather_object, broadcast_object, seed_everything
 from swin.train.guard import StepStats
 from swin.train.state import Run
@@ -66,10 +66,11 @@ def load_train_state(path: str | Path, map_location: str | torch.device = "cpu")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated / not a torch file / foreign pickle
-        raise RuntimeError(f"cannot read checkpoint {path}: {e}") from e
+        raise corrupt_checkpoint(path, e, "Move it out of the way to start the run afresh, or resume from another "
+                                 "file with train.resume=PATH.") from None
     if not isinstance(state, dict) or "model" not in state or "optimizer" not in state:
-        raise RuntimeError(f"{path} is not a training checkpoint of train.py (no model/optimizer state); "
-                           "to start from weights only, use model.pretrained=PATH instead of train.resume")
+        raise CheckpointError(f"{path} is not a training checkpoint of train.py (no model/optimizer state); "
+                              "to start from weights only, use model.pretrained=PATH instead of train.resume")
     return state
 
 
