@@ -217,3 +217,51 @@ def test_recomputed_mlp_activation_keeps_less_and_matches_timm():
     ref_params = dict(ref.named_parameters())
     for name, p in recomputed.named_parameters():
         assert rel_err(p.grad, ref_params[name].grad) < 1e-4, name
+
+
+def _compiled_step_saved_bytes(model: torch.nn.Module, x: torch.Tensor, probe: torch.Tensor) -> int:
+    """Bytes a compiled training step keeps for its backward, as inductor's min-cut partitioner splits it (the
+    forward graph's outputs, less the logits); the step runs, backward included, through the partitioned graphs,
+    without inductor's code generation."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    saved = []
+
+    def forward_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        saved.append(sum(n.meta["val"].nbytes for n in outputs
+                         if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                           partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+    torch._dynamo.reset()
+    (torch.compile(model, backend=backend, fullgraph=True)(x) * probe).sum().backward()
+    return sum(saved) - probe.nbytes
+
+
+def test_recomputed_norms_keep_less_in_a_compiled_step_and_match_timm():
+    """recompute_norm: a compiled training step keeps two fewer C-wide activations per block (the LayerNorm
+    outputs), with the same gradients as timm's model; eager steps keep what they kept."""
+    arch = dict(img_size=64, patch_size=2, window_size=4, embed_dim=32, depths=(2, 2), num_heads=(2, 4),
+                num_classes=10, drop_path_rate=0.0)
+    ref = timm.models.swin_transformer.SwinTransformer(**arch)
+    kept = swin.create_model("swin_micro", attention="sdpa", img_size=64)
+    recomputed = swin.create_model("swin_micro", attention="sdpa", img_size=64, recompute_norm=True)
+    assert all(b.recompute_norm for s in recomputed.layers for b in s.blocks)
+    for m in (kept, recomputed):
+        m.load_state_dict(ref.state_dict())
+    x, probe = torch.randn(2, 3, 64, 64), torch.randn(2, 10)
+    saved_kept = _compiled_step_saved_bytes(kept, x, probe)
+    saved_recomputed = _compiled_step_saved_bytes(recomputed, x, probe)
+    # at least stage 1's: 2 blocks x 2 norms x 2 x 32 x 32 tokens x 32 channels, fp32
+    assert saved_kept - saved_recomputed >= 2 * 2 * 2 * 32 * 32 * 32 * 4, (saved_kept, saved_recomputed)
+    (ref(x) * probe).sum().backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in recomputed.named_parameters():
+        assert rel_err(p.grad, ref_params[name].grad) < 1e-4, name
+    assert _saved_bytes(recomputed, x, probe) == _saved_bytes(kept, x, probe)
+
