@@ -13,12 +13,12 @@ Per row, on the same synthetic data (random images and labels, fixed seed):
   steps, synchronised before and after each repeat; images/s is the median over the repeats. Peak memory
   is ``torch.cuda.max_memory_allocated`` from the second step on (weights, optimizer state and data included;
   CUDA-graph pools, allocated while recording, too); the first step's, which includes what compiling allocates,
-  is ``*_first_step_peak_gib`` in benchmark.json.
+  is ``*_first_step_peak_gib`` in benchmark.json. Compiled rows release their inference graphs and CUDA-graph pool
+  before the training steps, so a training peak holds no inference memory.
 
 Rows: ``ours`` is ``swin.create_model(name, attention=..., fused_mlp_act=...)`` (fused_mlp_act: on, the model's
-default, unless the row says ``fused_mlp_act: false``; such rows are labelled ``-fused_gelu``; a row with
-``recompute_norm: true`` recomputes the LayerNorm outputs in the backward, labelled ``+recompute_norm``); ``timm``
-is timm's own Swin of the same name (``timm.create_model``; for names timm does not know, e.g. swin_micro, timm's
+default, unless the row says ``fused_mlp_act: false``; such rows are labelled ``-fused_gelu``); ``timm`` is timm's
+own Swin of the same name (``timm.create_model``; for names timm does not know, e.g. swin_micro, timm's
 SwinTransformer class with our architecture config), with its SDPA path off (``math``: timm's default,
 TIMM_FUSED_ATTN=0, explicit softmax) or on (``sdpa``: what TIMM_FUSED_ATTN=2 selects). timm reads that switch when
 an attention module is built, so it is set with ``timm.layers.set_fused_attn`` before building and then checked on
@@ -127,7 +127,6 @@ class GridRow:
     compile: list[bool] = field(default_factory=lambda: [False])
     compile_mode: str | None = None  # None: the benchmark's compile_mode
     fused_mlp_act: bool | None = None  # ours only: fc1 + GELU as one cuBLASLt GEMM in inference; None: the model's
-    recompute_norm: bool | None = None  # ours only: LayerNorm outputs recomputed in the backward; None: the model's
 
 
 @dataclass
@@ -198,13 +197,11 @@ class RowSpec:
     # ours: fc1 + GELU as one cuBLASLt GEMM (GELU epilogue) in bf16/fp16 inference; None: the model's default (on;
     # timm rows: not theirs)
     fused_mlp_act: bool | None = None
-    recompute_norm: bool | None = None  # ours: the LayerNorm outputs recomputed in the backward; None: the model's
 
     @property
     def label(self) -> str:
         mode = f"({self.compile_mode})" if self.compile and self.compile_mode else ""
         fused = " -fused_gelu" if self.impl == "ours" and self.fused_mlp_act is False else ""
-        fused += " +recompute_norm" if self.recompute_norm else ""
         return (f"{self.impl}{fused} {self.attention}{' +compile' if self.compile else ''}{mode} b{self.batch_size} "
                 f"{self.precision}")
 
@@ -231,9 +228,6 @@ def expand_grid(grid: DictConfig, fused_mlp_act: bool = True) -> list[RowSpec]:
             raise ValueError("grid row fused_mlp_act is a setting of ours (swin.create_model), not of timm's model")
         # ours: the row's setting, else the model config's; timm: None (not a setting of its model)
         fused = (fused_mlp_act if fused is None else bool(fused)) if impl == "ours" else None
-        recompute_norm = entry.get("recompute_norm")
-        if recompute_norm is not None and impl != "ours":
-            raise ValueError("grid row recompute_norm is a setting of ours (swin.create_model), not of timm's model")
         for compiled in _as_list(entry.get("compile", [False])):
             for batch in _as_list(grid.batch_size):
                 for precision in _as_list(grid.precision):
@@ -241,8 +235,7 @@ def expand_grid(grid: DictConfig, fused_mlp_act: bool = True) -> list[RowSpec]:
                         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
                     mode = entry.get("compile_mode")
                     specs.append(RowSpec(impl, attention, bool(compiled), int(batch), str(precision),
-                                         None if mode is None else str(mode), fused,
-                                         None if recompute_norm is None else bool(recompute_norm)))
+                                         None if mode is None else str(mode), fused))
     return specs
 
 
@@ -260,10 +253,8 @@ def architecture(model_cfg: DictConfig) -> tuple[str, dict[str, Any]]:
 
 
 def create_ours(name: str, arch: dict[str, Any], attention: str, fused_mlp_act: bool | None = None,
-                features_only: bool = False, recompute_norm: bool | None = None) -> nn.Module:
+                features_only: bool = False) -> nn.Module:
     extra = {"features_only": True} if features_only else {}
-    if recompute_norm is not None:
-        extra["recompute_norm"] = recompute_norm
     model = swin.create_model(name, attention=attention, fused_mlp_act=fused_mlp_act, **arch, **extra)
     found = {m.attention for m in model.modules() if isinstance(m, WindowAttentionBase)}
     if found != {attention}:
@@ -328,7 +319,7 @@ def create_timm(name: str, arch: dict[str, Any], fused: bool, features_only: boo
 def create_model(spec: RowSpec, name: str, arch: dict[str, Any], features_only: bool = False) -> nn.Module:
     """The row's model; features_only: its backbone (timm's features_only model of each side)."""
     if spec.impl == "ours":
-        return create_ours(name, arch, spec.attention, spec.fused_mlp_act, features_only, spec.recompute_norm)
+        return create_ours(name, arch, spec.attention, spec.fused_mlp_act, features_only)
     if is_swinv2(name):
         return create_timm_v2(name, arch, features_only)
     return create_timm(name, arch, fused=spec.attention != "math", features_only=features_only)
@@ -380,7 +371,7 @@ def measure(step: Callable[[], object], batch: int, device: torch.device, warmup
     Peak memory (``peak_gib``) counts from the second step on: CUDA-graph rows (compile_mode=reduce-overhead)
     allocate their memory pool while recording during warm-up and reuse it afterwards, so a peak taken over the
     timed steps alone would miss it. The first step's own peak (``first_step_peak_gib``) is apart: it includes
-    what compiling allocates (inductor's kernel benchmarking), once per run.
+    what compiling allocates, once per run.
     """
     _sync(device)
     _reset_peak(device)
@@ -718,6 +709,9 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
     slug = re.sub(r"[^\w]+", "_", spec.label)
     for mode, step in (("infer", infer_step), ("train", train_step)):
         model.train(mode == "train")
+        if mode == "train" and spec.compile:
+            # the inference graphs (and their CUDA-graph pool) go first: the training peak is the step's own
+            _free(device)
         result = measure(step, spec.batch_size, device, steps.warmup, steps.timed, steps.repeats)
         if profile.enabled:
             trace = trace_dir / f"{slug}_{mode}.json" if trace_dir else None
@@ -766,7 +760,6 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
     for r in rows:
         compiled = (r.get("compile_mode") or "yes") if r["compile"] else "no"
         impl = r["impl"] + (" -fused GELU" if r["impl"] == "ours" and r.get("fused_mlp_act") is False else "")
-        impl += " +recompute_norm" if r.get("recompute_norm") else ""
         head = [impl, r["attention"], compiled, str(r["batch_size"]), r["precision"]]
         if "error" in r or "skipped" in r:
             lines.append("| " + " | ".join(head + [r.get("error") or r["skipped"]] + ["-"] * (len(cols) - 6)) + " |")
@@ -788,7 +781,7 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
 
 def _row_label(r: dict[str, Any]) -> str:
     return RowSpec(r["impl"], r["attention"], r["compile"], r["batch_size"], r["precision"],
-                   r.get("compile_mode"), r.get("fused_mlp_act"), r.get("recompute_norm")).label
+                   r.get("compile_mode"), r.get("fused_mlp_act")).label
 
 
 def _largest_share(breakdown: dict[str, float]) -> str:

@@ -48,7 +48,6 @@ class ModelConfig:
                          "sdpa | standard")
     fused_mlp_act: bool = key("inference on CUDA in bf16/fp16: fc1 and GELU in one cuBLASLt GEMM")
     fused_merge_norm: bool = key("inference on CUDA: residual add, 2x2 patch merging and its norm in one kernel")
-    recompute_norm: bool = key("training (v1): recompute the LayerNorm outputs in the backward: less memory")
     pretrained: str | None = key("weights to start from: a file (timm, official Microsoft, train.py's) or "
                                  "timm:<name.tag>; the classifier is re-initialised if num_classes differs")
     num_classes: int | None = key("classifier outputs; null: the dataset's class count")

@@ -249,7 +249,6 @@ class SwinTransformerBlock(nn.Module):
         super().__init__()
         self.recompute_mlp_act = recompute_mlp_act
         self.fused_mlp_act = True  # SwinTransformer.set_fused_mlp_act
-        self.recompute_norm = False  # SwinTransformer.set_recompute_norm
         self.post_norm = version == 2
         self.shifts = shift  # every other block: by half a window, where the window is smaller than the map
         self._set_geometry(feat_size, window_size)
@@ -301,17 +300,8 @@ class SwinTransformerBlock(nn.Module):
         if self.post_norm:
             x = x + self.drop_path1(self.norm1(self.attn(x, spec, mask)))
             return x, self.drop_path2(self.norm2(self._mlp(x)))
-        x = x + self.drop_path1(self.attn(self._pre_norm(self.norm1, x), spec, mask))
-        return x, self.drop_path2(self._mlp(self._pre_norm(self.norm2, x)))
-
-    def _pre_norm(self, norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-        """norm(x); with recompute_norm in a compiled training step the output is recomputed in the backward, not
-        saved. Why: x is saved anyway (the residual), and the norm's output, which the next matmul keeps for its
-        weight gradient, is a C-wide activation per norm. Eager steps keep it: there the matmul holds on to the
-        output whatever the norm does."""
-        if self.recompute_norm and torch.compiler.is_compiling() and torch.is_grad_enabled() and x.requires_grad:
-            return checkpoint(norm, x, use_reentrant=False)
-        return norm(x)
+        x = x + self.drop_path1(self.attn(self.norm1(x), spec, mask))
+        return x, self.drop_path2(self._mlp(self.norm2(x)))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_mlp_act and not torch.is_grad_enabled():
@@ -465,7 +455,6 @@ class SwinTransformer(nn.Module):
         pretrained_window_sizes: Sequence[int | tuple[int, int]] | None = None,
         fused_mlp_act: bool = True,
         fused_merge_norm: bool = True,
-        recompute_norm: bool = False,
     ):
         super().__init__()
         if len(depths) != len(num_heads):
@@ -523,7 +512,6 @@ class SwinTransformer(nn.Module):
                                    input_fmt="NHWC")
         self.apply(_init_weights)
         self.set_fused_mlp_act(fused_mlp_act)
-        self.set_recompute_norm(recompute_norm)
         # forward_layers: without gradients, each stage's last residual add runs in the next stage's merge kernel
         self.fused_merge_norm = bool(fused_merge_norm)
         if version == 2:  # timm's res-post-norm init: every block starts as the identity
@@ -557,16 +545,6 @@ class SwinTransformer(nn.Module):
         for module in self.modules():
             if isinstance(module, SwinTransformerBlock):
                 module.fused_mlp_act = bool(enabled)
-        return self
-
-    def set_recompute_norm(self, enabled: bool) -> SwinTransformer:
-        """On: in compiled training steps (torch.compile) each pre-norm block (v1) recomputes its two LayerNorm
-        outputs in the backward instead of keeping them for the next matmul's weight gradient: two of the twelve
-        C-wide activations a block keeps, for one more pass over the residual per norm. Off (the default): kept.
-        Eager steps and Swin V2 (whose norms follow the attention and the MLP and feed no matmul) are unchanged."""
-        for module in self.modules():
-            if isinstance(module, SwinTransformerBlock):
-                module.recompute_norm = bool(enabled)
         return self
 
     # --- timm-style helpers used by training and fine-tuning ----------------------------------
