@@ -53,6 +53,10 @@ their plain sum); GPU busy time well below the step time means the step is host-
 no kernels: both are None (``-`` in the table). With ``profile.top_kernels > 0``, profile.md lists the top
 kernels with their categories too.
 
+With ``steps.interleave=true`` (``grid=eager``) the eager rows of each batch size and precision are then timed again
+in turn, repeat by repeat (``interleave_rows``), and their img/s is that run's; peak memory and host cost stay the
+rows' own.
+
 Eager rows on CUDA (``grid=eager``) also report their host cost (``host_times``): CPU time to enqueue one inference
 forward and one call of the first stage's shifted block, with the GPU kept busy so that no wait is counted
 (``infer_host_ms``, ``infer_host_block_us``; a third table in benchmark.md). An eager forward whose host time
@@ -141,6 +145,8 @@ class BenchStepsConfig:
     warmup: int = MISSING
     timed: int = MISSING
     repeats: int = MISSING
+    # eager rows of one batch size and precision timed again in turn (interleave_rows); grid=eager sets it
+    interleave: bool = False
 
 
 @dataclass
@@ -653,9 +659,22 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, device: torch.device,
-            data: tuple[torch.Tensor, torch.Tensor], out_dir: Path) -> dict[str, Any]:
-    """Inference then training measurements of one row (the caller frees memory afterwards)."""
+@dataclass
+class RowSteps:
+    """A row's model and its two steps (run_row measures them; interleave_rows times several rows' in turn)."""
+
+    model: nn.Module
+    infer: Callable[[], object]
+    train: Callable[[], None]
+    amp: Callable[[], contextlib.AbstractContextManager]
+    images: torch.Tensor
+    info: dict[str, Any]
+    last_loss: list[torch.Tensor]
+
+
+def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, device: torch.device,
+              data: tuple[torch.Tensor, torch.Tensor]) -> RowSteps:
+    """The row's model (compiled where the row says) with its inference and training steps."""
     torch.manual_seed(cfg.seed)
     row: dict[str, Any] = asdict(spec)
     model = create_model(spec, name, arch, cfg.features_only).to(device)
@@ -703,11 +722,19 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
         opt.zero_grad(set_to_none=True)
         last_loss[:] = [loss.detach()]
 
+    return RowSteps(model, infer_step, train_step, amp, x, row, last_loss)
+
+
+def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, device: torch.device,
+            data: tuple[torch.Tensor, torch.Tensor], out_dir: Path) -> dict[str, Any]:
+    """Inference then training measurements of one row (the caller frees memory afterwards)."""
+    built = build_row(spec, name, arch, cfg, device, data)
+    model, row = built.model, built.info
     steps = cfg.steps
     profile = cfg.profile
     trace_dir = out_dir / "traces" if profile.trace else None
     slug = re.sub(r"[^\w]+", "_", spec.label)
-    for mode, step in (("infer", infer_step), ("train", train_step)):
+    for mode, step in (("infer", built.infer), ("train", built.train)):
         model.train(mode == "train")
         if mode == "train" and spec.compile:
             # the inference graphs (and their CUDA-graph pool) go first: the training peak is the step's own
@@ -721,11 +748,56 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
                 with (out_dir / "profile.md").open("a") as f:
                     f.write(saved_tensor_report(step, spec.label))
         if mode == "infer" and not spec.compile and not cfg.features_only and device.type == "cuda":
-            with amp():
-                result.update(host_times(model, infer_step, x))
+            with built.amp():
+                result.update(host_times(model, built.infer, built.images))
         row.update({f"{mode}_{k}": v for k, v in result.items()})
-    row["train_loss"] = last_loss[0].float().item()
+    row["train_loss"] = built.last_loss[0].float().item()
     return row
+
+
+def interleave_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str, arch: dict[str, Any],
+                    cfg: DictConfig, device: torch.device, data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Times the eager rows of each batch size and precision again, in turn: every repeat runs each row's
+    ``timed`` steps, the rows in an order rotated by one per repeat, and a row's img/s becomes the median of its
+    repeats (the one-row-after-another figure stays as ``*_img_s_sequential``). Why: an eager step runs at the
+    host's pace, and a host whose speed drifts over minutes favours whichever row ran in its faster minutes; in
+    turn, every row meets the same drift. Peak memory and the host tables keep the rows' own runs."""
+    by_spec = {(r["impl"], r["attention"], r["batch_size"], r["precision"]): r for r in rows
+               if not r["compile"] and "error" not in r and "skipped" not in r}
+    groups: dict[tuple[int, str], list[RowSpec]] = {}
+    for spec in specs:
+        if (spec.impl, spec.attention, spec.batch_size, spec.precision) in by_spec:
+            groups.setdefault((spec.batch_size, spec.precision), []).append(spec)
+    steps = cfg.steps
+    for (batch, _), group in groups.items():
+        if len(group) < 2:
+            continue
+        built = [build_row(spec, name, arch, cfg, device, data) for spec in group]
+        for mode in ("infer", "train"):
+            for spec, b in zip(group, built):
+                b.model.train(mode == "train")
+                with sdpa_backends(spec):
+                    for _ in range(steps.warmup):
+                        getattr(b, mode)()
+            _sync(device)
+            rates: list[list[float]] = [[] for _ in group]
+            for repeat in range(steps.repeats):
+                for k in range(len(group)):
+                    i = (k + repeat) % len(group)
+                    with sdpa_backends(group[i]):
+                        t0 = time.perf_counter()
+                        for _ in range(steps.timed):
+                            getattr(built[i], mode)()
+                        _sync(device)
+                    rates[i].append(steps.timed * batch / (time.perf_counter() - t0))
+            for spec, spec_rates in zip(group, rates):
+                row = by_spec[(spec.impl, spec.attention, spec.batch_size, spec.precision)]
+                row[f"{mode}_img_s_sequential"] = row[f"{mode}_img_s"]
+                img_s = statistics.median(spec_rates)
+                row.update({f"{mode}_img_s": img_s, f"{mode}_step_ms": 1e3 * batch / img_s,
+                            f"{mode}_repeats_img_s": spec_rates})
+        del built
+        _free(device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -945,6 +1017,13 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         add_comparisons(rows)
         write_outputs(out_dir, result, report_tables(rows, cfg.profile.enabled))  # partial results survive
 
+    if cfg.steps.interleave and not (cfg.time_budget_s and time.perf_counter() - started > cfg.time_budget_s):
+        print("timing the eager rows again, in turn", flush=True)
+        try:
+            interleave_rows(specs, rows, name, arch, cfg, device, (x, y))
+        except Exception as e:  # e.g. out of memory with several rows' models at once: the sequential figures stay
+            print(f"timing in turn failed, keeping the rows' own figures: {type(e).__name__}: {e}"[:300], flush=True)
+            _free(device)
     add_comparisons(rows)
     table = report_tables(rows, cfg.profile.enabled)
     result["table"] = markdown_table(rows, cfg.profile.enabled)

@@ -6,6 +6,7 @@ backend agrees with the float64 reference. The Triton kernels run in the interpr
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,25 @@ def test_benchmark_cpu(tmp_path):
     assert result["breakdown_table"] in md
     assert (out / "profile.md").read_text().count(" by self time over 1 steps") == 2 * len(rows)  # row x step
 
+
+
+def test_benchmark_times_eager_rows_again_in_turn(tmp_path):
+    """steps.interleave (grid=eager): the eager rows of a batch size are timed again, repeat by repeat in turn; a
+    row's img/s is the median of those repeats, its first figure kept as *_img_s_sequential."""
+    out = tmp_path / "bench"
+    rows = "[{impl:ours,attention:sdpa,compile:[false]},{impl:timm,attention:math,compile:[false]}]"
+    run_script([str(ROOT / "scripts/benchmark.py"), "model=swin_micro", "device=cpu", "grid=smoke",
+                f"grid.rows={rows}", "grid.batch_size=[2]", "steps.warmup=1", "steps.timed=2", "steps.repeats=3",
+                "steps.interleave=true", f"out_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=tmp_path)
+    result = json.loads((out / "benchmark.json").read_text())
+    for r in result["rows"]:
+        for mode in ("infer", "train"):
+            repeats = r[f"{mode}_repeats_img_s"]
+            assert len(repeats) == 3 and all(positive(v) for v in repeats), r
+            assert r[f"{mode}_img_s"] == statistics.median(repeats)
+            assert positive(r[f"{mode}_img_s_sequential"]) and r[f"{mode}_img_s_sequential"] != r[f"{mode}_img_s"]
+    ours, theirs = result["rows"]
+    assert ours["train_speedup_vs_best_timm"] == ours["train_img_s"] / theirs["train_img_s"]
 
 def test_benchmark_swinv2_rows_against_timm_v2(tmp_path):
     """A Swin V2 name benchmarks ours against timm's SwinTransformerV2 (swinv2_micro: timm's class with our config);
