@@ -390,16 +390,23 @@ def measure(step: Callable[[], object], batch: int, device: torch.device, warmup
     for _ in range(max(warmup - 1, 0)):
         step()
     _sync(device)
-    rates = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(timed):
-            step()
-        _sync(device)
-        rates.append(timed * batch / (time.perf_counter() - t0))
+    rates = [_images_per_s(step, batch, device, timed) for _ in range(repeats)]
+    return dict(_rates_result(rates, batch), first_step_s=first_s, peak_gib=_peak_gib(device),
+                first_step_peak_gib=first_peak)
+
+
+def _images_per_s(step: Callable[[], object], batch: int, device: torch.device, timed: int) -> float:
+    """One repeat: images/s over ``timed`` steps, the device synchronised at the end."""
+    t0 = time.perf_counter()
+    for _ in range(timed):
+        step()
+    _sync(device)
+    return timed * batch / (time.perf_counter() - t0)
+
+
+def _rates_result(rates: list[float], batch: int) -> dict[str, Any]:
     img_s = statistics.median(rates)
-    return dict(img_s=img_s, step_ms=1e3 * batch / img_s, repeats_img_s=rates, first_step_s=first_s,
-                peak_gib=_peak_gib(device), first_step_peak_gib=first_peak)
+    return dict(img_s=img_s, step_ms=1e3 * batch / img_s, repeats_img_s=rates)
 
 
 HOST_SLEEP_CYCLES = 200_000_000  # a GPU sleep longer than two eager forwards' enqueueing (about 0.1 s)
@@ -762,19 +769,17 @@ def interleave_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str,
     repeats (the one-row-after-another figure stays as ``*_img_s_sequential``). Why: an eager step runs at the
     host's pace, and a host whose speed drifts over minutes favours whichever row ran in its faster minutes; in
     turn, every row meets the same drift. Peak memory and the host tables keep the rows' own runs."""
-    by_spec = {(r["impl"], r["attention"], r["batch_size"], r["precision"]): r for r in rows
-               if not r["compile"] and "error" not in r and "skipped" not in r}
-    groups: dict[tuple[int, str], list[RowSpec]] = {}
-    for spec in specs:
-        if (spec.impl, spec.attention, spec.batch_size, spec.precision) in by_spec:
-            groups.setdefault((spec.batch_size, spec.precision), []).append(spec)
+    groups: dict[tuple[int, str], list[tuple[RowSpec, dict[str, Any]]]] = {}
+    for spec, row in zip(specs, rows, strict=True):  # main writes one row per spec, in order
+        if not spec.compile and "error" not in row and "skipped" not in row:
+            groups.setdefault((spec.batch_size, spec.precision), []).append((spec, row))
     steps = cfg.steps
     for (batch, _), group in groups.items():
         if len(group) < 2:
             continue
-        built = [build_row(spec, name, arch, cfg, device, data) for spec in group]
+        built = [build_row(spec, name, arch, cfg, device, data) for spec, _ in group]
         for mode in ("infer", "train"):
-            for spec, b in zip(group, built):
+            for (spec, _), b in zip(group, built):
                 b.model.train(mode == "train")
                 with sdpa_backends(spec):
                     for _ in range(steps.warmup):
@@ -784,18 +789,11 @@ def interleave_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str,
             for repeat in range(steps.repeats):
                 for k in range(len(group)):
                     i = (k + repeat) % len(group)
-                    with sdpa_backends(group[i]):
-                        t0 = time.perf_counter()
-                        for _ in range(steps.timed):
-                            getattr(built[i], mode)()
-                        _sync(device)
-                    rates[i].append(steps.timed * batch / (time.perf_counter() - t0))
-            for spec, spec_rates in zip(group, rates):
-                row = by_spec[(spec.impl, spec.attention, spec.batch_size, spec.precision)]
+                    with sdpa_backends(group[i][0]):
+                        rates[i].append(_images_per_s(getattr(built[i], mode), batch, device, steps.timed))
+            for (_, row), row_rates in zip(group, rates):
                 row[f"{mode}_img_s_sequential"] = row[f"{mode}_img_s"]
-                img_s = statistics.median(spec_rates)
-                row.update({f"{mode}_img_s": img_s, f"{mode}_step_ms": 1e3 * batch / img_s,
-                            f"{mode}_repeats_img_s": spec_rates})
+                row.update({f"{mode}_{k}": v for k, v in _rates_result(row_rates, batch).items()})
         del built
         _free(device)
 
