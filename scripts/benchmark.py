@@ -24,8 +24,9 @@ TIMM_FUSED_ATTN=0, explicit softmax) or on (``sdpa``: what TIMM_FUSED_ATTN=2 sel
 an attention module is built, so it is set with ``timm.layers.set_fused_attn`` before building and then checked on
 every WindowAttention module (``attn.fused_attn``). timm's Swin V2 (``swinv2_*`` names; ``swinv2_micro``: timm's
 SwinTransformerV2 class with our config) has explicit attention math only: its ``math`` rows run, its ``sdpa`` /
-``sdpa_no_cudnn`` rows are skipped (``grid=swinv2`` has none). Compiled rows use ``torch.compile(model,
-dynamic=False)``. Memory and compiled graphs are freed between rows. With ``features_only``
+``sdpa_no_cudnn`` rows are skipped (``grid=swinv2`` has none). Compiled rows use ``dynamic=False``:
+ours ``swin.compile_model`` (as train.py: the mode plus our inductor options), timm ``torch.compile``. Memory and
+compiled graphs are freed between rows. With ``features_only``
 (``grid=backbone``: 800x1216, as a detector feeds its backbone) both sides are their features_only models, and
 the training loss is every map's mean square (a dense head's stand-in).
 
@@ -696,7 +697,10 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
         row["our_fused_mlp_act"] = all(b.fused_mlp_act for b in model.modules() if isinstance(b, SwinTransformerBlock))
     row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
     mode = spec.compile_mode or cfg.compile_mode
-    run = torch.compile(model, mode=mode, dynamic=False) if spec.compile else model
+    # ours as train.py compiles it (swin.compile_model: the mode plus our inductor options); timm as its users do
+    compile_fn = swin.compile_model if spec.impl == "ours" else (
+        lambda m, mode, dynamic: torch.compile(m, mode=mode, dynamic=dynamic))
+    run = compile_fn(model, mode, dynamic=False) if spec.compile else model
     x_all, y_all = data
     x, y = x_all[:spec.batch_size], y_all[:spec.batch_size]
     dtype = PRECISIONS[spec.precision]

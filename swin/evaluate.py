@@ -44,6 +44,7 @@ from swin.data.datasets import build_datasets, decode_mode, folder_split
 from swin.data.loaders import build_eval_loader
 from swin.io import write_json
 from swin.models.attention import check_backend
+from swin.models.compiling import compile_model
 from swin.models.pretrained import Checkpoint, checkpoint_num_classes, load_into, read_source
 from swin.models.registry import MODEL_CONFIGS, config_overrides, create_model
 from swin.precision import TRAIN_AMP_CHOICES, autocast, resolve_amp
@@ -330,7 +331,7 @@ def run_eval(cfg: EvalAppConfig | DictConfig, run_dir: str | os.PathLike,
             log.info(f"torch.compile: {mode} mode (compiles during the first batch)" if mode
                      else f"torch.compile: off{why}")
         metrics = evaluate(model, loader, device=dist.device, amp=amp, progress=cfg.progress and dist.is_main,
-                           total=shard, compiled=torch.compile(model, mode=mode) if mode else None)
+                           total=shard, compiled=compile_model(model, mode) if mode else None)
         if dist.is_main and metrics["compile_seconds"] is not None:
             log.info(f"torch.compile: the first batch took {metrics['compile_seconds']:.1f} s, compiling included")
         folder = as_folder(data_cfg)

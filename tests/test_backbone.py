@@ -119,6 +119,27 @@ def test_one_graph_serves_every_input_size(version, attention):
     assert len(graphs) == 1, f"{len(graphs)} graphs for {len(sizes)} sizes"
 
 
+@pytest.mark.gpu
+def test_gpu_compile_model_backbone_at_two_sizes():
+    """swin.compile_model(dynamic=True), as a detector compiles the backbone (our inductor options: combo kernels),
+    on the flash backend: a size whose stages divide the windows and one whose stages pad, maps and input gradient
+    equal to the eager model's in fp32."""
+    name, arch = V1
+    arch = dict(arch, depths=(2, 2), num_heads=(2, 2))  # as test_one_graph_serves_every_input_size
+    model = swin.create_model(name, attention="flash_window", **arch, features_only=True, dynamic_img_size=True,
+                              img_size=(224, 224)).cuda().eval()
+    compiled = swin.compile_model(model, dynamic=True)
+    for size in [(224, 224), (300, 320)]:  # 56x56 maps, then 75x80 (padded windows, an odd merge)
+        x = torch.randn(2, 3, *size, device="cuda", requires_grad=True)
+        got = compiled(x)
+        grad_got = torch.autograd.grad(sum(m.float().square().mean() for m in got), x)[0]
+        expected = model(x)
+        grad_expected = torch.autograd.grad(sum(m.float().square().mean() for m in expected), x)[0]
+        for g, e in zip(got, expected):
+            _close(g.detach(), e.detach(), rtol=1e-4)
+        _close(grad_got, grad_expected, rtol=1e-4)
+
+
 @needs_timm_1031
 @pytest.mark.parametrize("version", [V1, V2], ids=["v1", "v2"])
 @pytest.mark.parametrize("kwargs", [

@@ -1,0 +1,55 @@
+"""swin.compile_model: torch.compile with the mode's options plus ours, as train.py, eval.py and the benchmark
+compile the model (its compiled numerics: the GPU tests of test_flash_window.py and test_backbone.py)."""
+import pytest
+import torch
+import torch._inductor
+
+import swin
+from swin.models.compiling import INDUCTOR_OPTIONS
+
+
+@pytest.fixture
+def compile_calls(monkeypatch):
+    """torch.compile's keyword arguments, call by call (the real torch.compile still runs: nothing is traced until
+    the model is called)."""
+    calls = []
+    real = torch.compile
+
+    def spy(model, **kwargs):
+        calls.append(kwargs)
+        return real(model, **kwargs)
+    monkeypatch.setattr(torch, "compile", spy)
+    return calls
+
+
+@pytest.mark.parametrize("mode", [None, "default", "reduce-overhead", "max-autotune"])
+def test_compile_model_adds_our_options_to_the_mode(compile_calls, mode):
+    model = torch.nn.Linear(4, 4)
+    compiled = swin.compile_model(model, mode, dynamic=False)
+    assert compiled is not model and compiled._orig_mod is model
+    (kwargs,) = compile_calls
+    expected = {**torch._inductor.list_mode_options(mode or "default"), **INDUCTOR_OPTIONS}
+    assert kwargs["options"] == expected and "mode" not in kwargs
+    assert kwargs["dynamic"] is False and kwargs["fullgraph"] is False
+    assert expected["combo_kernels"] is True
+    assert expected.get("triton.cudagraphs", False) == (mode in ("reduce-overhead", "max-autotune"))
+
+
+def test_compile_model_names_a_bad_mode():
+    with pytest.raises(ValueError, match="torch.compile mode 'fastest'.*reduce-overhead"):
+        swin.compile_model(torch.nn.Linear(4, 4), "fastest")
+
+
+def test_train_setup_compiles_through_compile_model(compile_calls, tmp_path):
+    """train.py's model is compiled with the same options (the model is built, not run)."""
+    from _train_utils import DET, make_cfg
+
+    from swin.config import to_settings
+    from swin.train.distributed import DistInfo
+    from swin.train.setup import setup
+
+    cfg = make_cfg(*DET, "device=cpu", "train.compile=true", "train.compile_mode=reduce-overhead")
+    run = setup(to_settings(cfg), tmp_path, DistInfo(0, 0, 1, torch.device("cpu")))
+    (kwargs,) = compile_calls
+    assert kwargs["options"] == {"triton.cudagraphs": True, **INDUCTOR_OPTIONS}
+    assert run.fwd_model._orig_mod is run.raw_model
