@@ -89,6 +89,7 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import collections  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -569,19 +570,52 @@ def kernel_breakdown(kernels: list[Any], steps: int) -> dict[str, Any]:
     return dict(breakdown_ms=per_step, busy_union_ms_per_step=union / steps / 1e3)
 
 
-def top_kernels_table(kernels: list[Any], steps: int, limit: int) -> str:
-    """Markdown table of the `limit` kernels (grouped by name) with the most GPU self time, with categories."""
+def kernel_launchers(events: Iterable[Any]) -> dict[str, collections.Counter]:
+    """Per kernel name, where the host launched it: "op" or "op < outermost op" (the op's root ancestor) -> calls.
+
+    A kernel belongs to the innermost op whose launch the profiler links it to: the eager op that launched it, or
+    for a CUDA-graph replay the op that launched the graph, where the profiler links those; else it is absent."""
+    from torch.autograd import DeviceType
+
+    launchers: dict[str, collections.Counter] = {}
+    for e in events:
+        if e.device_type != DeviceType.CPU or not e.kernels:
+            continue
+        *_, root = _ancestors(e)
+        where = e.name if root is e else f"{e.name} < {root.name}"
+        for k in e.kernels:
+            launchers.setdefault(k.name, collections.Counter())[where] += 1
+    return launchers
+
+
+def _launched_by(counter: collections.Counter | None) -> str:
+    """The commonest launcher of a kernel, with the share of its launches ("-": none linked)."""
+    if not counter:
+        return "-"
+    where, calls = counter.most_common(1)[0]
+    where = where if len(where) <= 70 else where[:69] + "…"
+    share = calls / sum(counter.values())
+    return f"`{where.replace('|', '/')}`" + (f" ({100 * share:.0f}%)" if share < 1 else "")
+
+
+def top_kernels_table(kernels: list[Any], steps: int, limit: int,
+                      launchers: dict[str, collections.Counter] | None = None) -> str:
+    """Markdown table of the `limit` kernels (grouped by name) with the most GPU self time, with categories and, where
+    `launchers` (kernel_launchers) is given, the host op that launched each."""
     grouped: dict[str, list[float]] = {}
     for k in kernels:
         entry = grouped.setdefault(k.name, [0, 0.0])
         entry[0] += 1
         entry[1] += _duration_us(k)
     total = sum(us for _, us in grouped.values()) or 1.0
-    lines = ["| kernel | category | calls/step | ms/step | % of kernel time |", "|---|---|---|---|---|"]
+    head = "| kernel | category | calls/step | ms/step | % of kernel time |" + (
+        " launched by |" if launchers is not None else "")
+    lines = [head, "|---" * head.count(" |") + "|"]
     for name, (calls, us) in sorted(grouped.items(), key=lambda kv: -kv[1][1])[:limit]:
         short = name if len(name) <= 100 else name[:99] + "…"
         lines.append(f"| `{short.replace('|', '/')}` | {classify_kernel(name)} | {calls / steps:g} | "
-                     f"{us / steps / 1e3:.3f} | {100 * us / total:.1f} |")
+                     f"{us / steps / 1e3:.3f} | {100 * us / total:.1f} |"
+                     + (f" {_launched_by(launchers.get(name))} |" if launchers is not None else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -592,7 +626,7 @@ def write_top_kernels(report: Path, prof: torch.profiler.profile, kernels: list[
     with report.open("a") as f:
         if device.type == "cuda":
             f.write(f"\n## {title}: top {limit} GPU kernels by self time, per step ({steps} steps)\n\n")
-            f.write(top_kernels_table(kernels, steps, limit))
+            f.write(top_kernels_table(kernels, steps, limit, kernel_launchers(prof.events())))
         f.write(f"\n## {title}: top {limit} by self time over {steps} steps\n\n")
         f.write(prof.key_averages().table(sort_by=sort_by, row_limit=limit, max_name_column_width=70))
 

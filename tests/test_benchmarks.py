@@ -356,6 +356,35 @@ def test_top_kernels_table():
     assert lines[4].startswith("| `multi_tensor_apply_kernel<FusedAdamMathFunctor>` | optimizer |")
 
 
+def test_top_kernels_table_names_the_launching_op():
+    """An eager op's kernels are listed with that op and its outermost ancestor; a kernel linked to no op: '-'."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from scripts.benchmark import device_kernels, kernel_launchers, top_kernels_table
+
+    def event(name, start, end, device_type=DeviceType.CUDA):
+        return FunctionEvent(id=0, name=name, thread=7, start_us=start, end_us=end, device_type=device_type,
+                             use_device="cuda")
+
+    loss = event("features_loss", 0, 100, DeviceType.CPU)
+    means = [event("aten::mean", 10 + 20 * i, 20 + 20 * i, DeviceType.CPU) for i in range(3)]
+    summed = event("aten::sum", 90, 95, DeviceType.CPU)  # at top level: no ancestor to name
+    for op in means:
+        op.set_cpu_parent(loss)
+        op.append_kernel("reduce_kernel<float>", 0, 5.0)
+    summed.append_kernel("reduce_kernel<float>", 0, 5.0)
+    kernels = [event("reduce_kernel<float>", 200 + 10 * i, 205 + 10 * i) for i in range(4)]
+    kernels.append(event("window_attn_fwd_kernel", 300, 400))  # linked to no host op
+    events = [loss, *means, summed, *kernels]
+    launchers = kernel_launchers(events)
+    assert launchers == {"reduce_kernel<float>": {"aten::mean < features_loss": 3, "aten::sum": 1}}
+    lines = top_kernels_table(device_kernels(events), steps=1, limit=2, launchers=launchers).splitlines()
+    assert lines[0].endswith("| launched by |") and lines[1] == "|---" * 6 + "|"
+    assert lines[2].startswith("| `window_attn_fwd_kernel` | attention |") and lines[2].endswith(" - |")
+    assert lines[3].endswith("| `aten::mean < features_loss` (75%) |")
+
+
 def _row(impl: str, attention: str, compile: bool, **extra) -> dict:
     return dict(impl=impl, attention=attention, compile=compile, batch_size=128, precision="bf16", compile_mode=None,
                 infer_img_s=1000.0, train_img_s=300.0, **extra)
