@@ -44,10 +44,11 @@ rule is applied to CPU self time.
 
 The same profiled steps also give a GPU time breakdown per row and step (``{train,infer}_breakdown_ms`` in
 benchmark.json, a second table in benchmark.md): kernel self time per step (kernels, memcpy and memset) in
-six categories, attention | GEMM | norm/elementwise | copies/layout | optimizer | other, by kernel name only
-(``classify_kernel``; so unlike the attention fraction, the cuBLAS batched matmuls of eager ``standard`` /
+seven categories, attention | GEMM | norm/elementwise | copies/layout | combined | optimizer | other, by kernel name
+only (``classify_kernel``; so unlike the attention fraction, the cuBLAS batched matmuls of eager ``standard`` /
 ``math`` attention count as GEMM). An inductor kernel (``triton_poi_fused_<ops>_<n>``) is copies/layout only
-if every op in its name only moves data (``triton_poi_fused__unsafe_view_clone_1``), else norm/elementwise
+if every op in its name only moves data (``triton_poi_fused__unsafe_view_clone_1``), combined if its name has no
+ops (``triton_poi_fused_12``: a combo kernel, several small kernels in one launch), else norm/elementwise
 (``triton_poi_fused_add_clone_gelu_view_5``). Next to it, ``{train,infer}_busy_union_ms_per_step``: the union
 of the kernel intervals on the timeline per step (concurrent kernels count once; ``busy_ms_per_step`` is
 their plain sum); GPU busy time well below the step time means the step is host-bound. On the CPU there are
@@ -480,7 +481,7 @@ def attention_time_us(prof: torch.profiler.profile, device: torch.device) -> dic
 
 
 # GPU time breakdown: kernel categories (classify_kernel), checked in this order
-CATEGORIES = ("attention", "GEMM", "norm/elementwise", "copies/layout", "optimizer", "other")
+CATEGORIES = ("attention", "GEMM", "norm/elementwise", "copies/layout", "combined", "optimizer", "other")
 OPTIMIZER_KERNEL_RE = re.compile(r"multi_tensor_apply|fused_?adam|adamw|_foreach_|unscale|amp_update_scale|lerp",
                                  re.IGNORECASE)
 GEMM_KERNEL_RE = re.compile(r"gemm|nvjet|cublas|cutlass|splitkreduce|^triton_tem_", re.IGNORECASE)
@@ -511,9 +512,10 @@ def classify_kernel(name: str) -> str:
     Checked in order: optimizer (fused AdamW, foreach, AMP unscale), attention (as for the attention
     fraction: ours, SDPA, softmax but not log-softmax), GEMM (cuBLAS / cutlass / inductor templates),
     inductor fused kernels (copies/layout if every op word in the name only moves data: view, clone, cat,
-    permute, _to_copy, ...; also a name with no op words, which inductor gives copies it adds itself;
-    else norm/elementwise), eager copies (copy kernels, memcpy, memset, fills), eager elementwise and
-    reductions, other.
+    permute, _to_copy, ...; combined if the name has no op words: inductor's combo kernels, several independent
+    kernels in one launch, whose names list no ops, and the few copies inductor adds itself; else
+    norm/elementwise), eager copies (copy kernels, memcpy, memset, fills), eager elementwise and reductions,
+    other.
     """
     if OPTIMIZER_KERNEL_RE.search(name):
         return "optimizer"
@@ -523,6 +525,8 @@ def classify_kernel(name: str) -> str:
         return "GEMM"
     tokens = _inductor_op_tokens(name)
     if tokens is not None:
+        if not tokens:
+            return "combined"
         return "copies/layout" if set(tokens) <= DATA_MOVEMENT_TOKENS else "norm/elementwise"
     if COPY_KERNEL_RE.search(name):
         return "copies/layout"
@@ -920,7 +924,8 @@ def breakdown_table(rows: list[dict[str, Any]]) -> str:
             if breakdown is None:
                 cells += ["-"] * (len(CATEGORIES) + 1)
             else:
-                cells += [_fmt(breakdown[c], ".2f") for c in CATEGORIES] + [_largest_share(breakdown)]
+                # .get: files of earlier runs lack the newer categories ("-")
+                cells += [_fmt(breakdown.get(c), ".2f") for c in CATEGORIES] + [_largest_share(breakdown)]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

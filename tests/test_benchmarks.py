@@ -256,7 +256,6 @@ KERNEL_CATEGORIES = {
         "triton_poi_fused_clone_0", "triton_poi_fused_view_3", "triton_poi_fused_unbind_2",
         "triton_poi_fused__unsafe_view_clone_1", "triton_poi_fused_cat_4", "triton_poi_fused__to_copy_0",
         "triton_poi_fused_constant_pad_nd_roll_2", "triton_poi_fused_permute_split_with_sizes_6",
-        "triton_poi_fused_12",  # no op in the name: a copy inductor added itself
         "void at::native::vectorized_elementwise_kernel<4, at::native::direct_copy_kernel_cuda("
         "at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda(c10::BFloat16)#1}, "
         "std::array<char*, 2ul> >(int, at::native::direct_copy_kernel_cuda)",
@@ -265,6 +264,9 @@ KERNEL_CATEGORIES = {
         "Memcpy DtoD (Device -> Device)", "Memcpy HtoD (Pageable -> Device)", "Memset (Device)",
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >"
         "(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)",
+    ],
+    "combined": [  # no op in the name: a combo kernel (or a copy inductor added itself)
+        "triton_poi_fused_12", "triton_per_fused_3", "triton_for_fused_0",
     ],
     "optimizer": [
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
@@ -337,8 +339,8 @@ def test_kernel_breakdown():
     assert all(k.self_device_time_total == k.time_range.end - k.time_range.start for k in kernels)
     got = kernel_breakdown(kernels, steps=2)
     assert list(got["breakdown_ms"]) == list(CATEGORIES)
-    expected_us = {"attention": 300, "GEMM": 500, "norm/elementwise": 50, "copies/layout": 60, "optimizer": 100,
-                   "other": 0}
+    expected_us = {"attention": 300, "GEMM": 500, "norm/elementwise": 50, "copies/layout": 60, "combined": 0,
+                   "optimizer": 100, "other": 0}
     assert got["breakdown_ms"] == pytest.approx({c: us / 2e3 for c, us in expected_us.items()})
     # busy: [100, 500] + [600, 710] + [800, 900] + [1100, 1300] = 810 us over 2 steps; the plain sum is 1010 us
     assert got["busy_union_ms_per_step"] == pytest.approx(0.405)
@@ -394,27 +396,28 @@ def test_breakdown_table():
     from scripts.benchmark import breakdown_table, report_tables
 
     gpu = dict(breakdown_ms={"attention": 3.1, "GEMM": 9.0, "norm/elementwise": 5.0, "copies/layout": 1.0,
-                             "optimizer": 2.0, "other": 0.0}, busy_union_ms_per_step=19.5, step_ms=22.1)
+                             "combined": 0.4, "optimizer": 2.0, "other": 0.0},
+               busy_union_ms_per_step=19.5, step_ms=22.1)
     rows = [
         _row("ours", "flash_window", True, **{f"train_{k}": v for k, v in gpu.items()},
              infer_step_ms=7.0, infer_busy_union_ms_per_step=6.5,
              infer_breakdown_ms={"attention": 1.0, "GEMM": 3.0, "norm/elementwise": 2.0, "copies/layout": 0.5,
-                                 "optimizer": 0.0, "other": 0.0}),
+                                 "optimizer": 0.0, "other": 0.0}),  # a file of an earlier run: no "combined"
         _row("timm", "sdpa", False, error="OutOfMemoryError: CUDA out of memory"),
         _row("timm", "math", False, train_step_ms=150.0, train_breakdown_ms=None, train_busy_union_ms_per_step=None,
              infer_step_ms=40.0, infer_breakdown_ms=None, infer_busy_union_ms_per_step=None),
     ]
     lines = breakdown_table(rows).splitlines()
     assert lines[0] == ("| row | step | step ms | GPU busy ms | attention | GEMM | norm/elementwise | copies/layout "
-                        "| optimizer | other | largest |")
-    assert lines[1] == "|" + "---|" * 11
+                        "| combined | optimizer | other | largest |")
+    assert lines[1] == "|" + "---|" * 12
     assert lines[2:] == [
-        "| ours flash_window +compile b128 bf16 | train | 22.10 | 19.50 | 3.10 | 9.00 | 5.00 | 1.00 | 2.00 | 0.00 "
-        "| GEMM 45% |",
-        "| ours flash_window +compile b128 bf16 | infer | 7.00 | 6.50 | 1.00 | 3.00 | 2.00 | 0.50 | 0.00 | 0.00 "
+        "| ours flash_window +compile b128 bf16 | train | 22.10 | 19.50 | 3.10 | 9.00 | 5.00 | 1.00 | 0.40 | 2.00 "
+        "| 0.00 | GEMM 44% |",
+        "| ours flash_window +compile b128 bf16 | infer | 7.00 | 6.50 | 1.00 | 3.00 | 2.00 | 0.50 | - | 0.00 | 0.00 "
         "| GEMM 46% |",
-        "| timm math b128 bf16 | train | 150.00 | - | - | - | - | - | - | - | - |",  # CPU: no kernels
-        "| timm math b128 bf16 | infer | 40.00 | - | - | - | - | - | - | - | - |",
+        "| timm math b128 bf16 | train | 150.00 | - | - | - | - | - | - | - | - | - |",  # CPU: no kernels
+        "| timm math b128 bf16 | infer | 40.00 | - | - | - | - | - | - | - | - | - |",
     ]  # the error row is left out (the comparison table shows it)
     assert breakdown_table(rows) in report_tables(rows, profiled=True)
     assert "GPU busy ms" not in report_tables(rows, profiled=False)
