@@ -48,12 +48,13 @@ seven categories, attention | GEMM | norm/elementwise | copies/layout | combined
 only (``classify_kernel``; so unlike the attention fraction, the cuBLAS batched matmuls of eager ``standard`` /
 ``math`` attention count as GEMM). An inductor kernel (``triton_poi_fused_<ops>_<n>``) is copies/layout only
 if every op in its name only moves data (``triton_poi_fused__unsafe_view_clone_1``), combined if its name has no
-ops (``triton_poi_fused_12``: a combo kernel, several small kernels in one launch), else norm/elementwise
+ops (``triton_poi_fused_12``: a combo kernel, several small kernels in one launch, or one of the few copies inductor
+adds itself), else norm/elementwise
 (``triton_poi_fused_add_clone_gelu_view_5``). Next to it, ``{train,infer}_busy_union_ms_per_step``: the union
 of the kernel intervals on the timeline per step (concurrent kernels count once; ``busy_ms_per_step`` is
 their plain sum); GPU busy time well below the step time means the step is host-bound. On the CPU there are
 no kernels: both are None (``-`` in the table). With ``profile.top_kernels > 0``, profile.md lists the top
-kernels with their categories too.
+kernels with their categories and the host op each was launched from (``kernel_launchers``) too.
 
 With ``steps.interleave=true`` (``grid=eager``) the eager rows of each batch size and precision are then timed again
 in turn, repeat by repeat (``interleave_rows``), and their img/s is that run's; peak memory and host cost stay the
@@ -119,6 +120,7 @@ import swin  # noqa: E402
 import swin.config  # noqa: E402, F401  (registers the config schemas before Hydra composes)
 from scripts.bench_attention import host_us  # noqa: E402  (the same queued host timing)
 from swin.config import ModelConfig  # noqa: E402
+from swin.models.compiling import inductor_options  # noqa: E402
 from swin.models.swin_transformer import SwinTransformerBlock, WindowAttentionBase  # noqa: E402
 from swin.precision import fp8_linears, fp8_problem  # noqa: E402
 from swin.train.distributed import pick_device  # noqa: E402
@@ -574,14 +576,14 @@ def kernel_breakdown(kernels: list[Any], steps: int) -> dict[str, Any]:
     return dict(breakdown_ms=per_step, busy_union_ms_per_step=union / steps / 1e3)
 
 
-def kernel_launchers(events: Iterable[Any]) -> dict[str, collections.Counter]:
+def kernel_launchers(events: Iterable[Any]) -> dict[str, collections.Counter[str]]:
     """Per kernel name, where the host launched it: "op" or "op < outermost op" (the op's root ancestor) -> calls.
 
     A kernel belongs to the innermost op whose launch the profiler links it to: the eager op that launched it, or
     for a CUDA-graph replay the op that launched the graph, where the profiler links those; else it is absent."""
     from torch.autograd import DeviceType
 
-    launchers: dict[str, collections.Counter] = {}
+    launchers: dict[str, collections.Counter[str]] = {}
     for e in events:
         if e.device_type != DeviceType.CPU or not e.kernels:
             continue
@@ -592,18 +594,18 @@ def kernel_launchers(events: Iterable[Any]) -> dict[str, collections.Counter]:
     return launchers
 
 
-def _launched_by(counter: collections.Counter | None) -> str:
+def _launched_by(counter: collections.Counter[str] | None) -> str:
     """The commonest launcher of a kernel, with the share of its launches ("-": none linked)."""
     if not counter:
         return "-"
     where, calls = counter.most_common(1)[0]
     where = where if len(where) <= 70 else where[:69] + "…"
-    share = calls / sum(counter.values())
-    return f"`{where.replace('|', '/')}`" + (f" ({100 * share:.0f}%)" if share < 1 else "")
+    total = sum(counter.values())
+    return f"`{where.replace('|', '/')}`" + (f" ({100 * calls // total}%)" if calls < total else "")
 
 
 def top_kernels_table(kernels: list[Any], steps: int, limit: int,
-                      launchers: dict[str, collections.Counter] | None = None) -> str:
+                      launchers: dict[str, collections.Counter[str]] | None = None) -> str:
     """Markdown table of the `limit` kernels (grouped by name) with the most GPU self time, with categories and, where
     `launchers` (kernel_launchers) is given, the host op that launched each."""
     grouped: dict[str, list[float]] = {}
@@ -736,9 +738,12 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
     row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
     mode = spec.compile_mode or cfg.compile_mode
     # ours as train.py compiles it (swin.compile_model: the mode plus our inductor options); timm as its users do
-    compile_fn = swin.compile_model if spec.impl == "ours" else (
-        lambda m, mode, dynamic: torch.compile(m, mode=mode, dynamic=dynamic))
-    run = compile_fn(model, mode, dynamic=False) if spec.compile else model
+    run = model
+    if spec.compile and spec.impl == "ours":
+        row["inductor_options"] = inductor_options(mode, dynamic=False)
+        run = swin.compile_model(model, mode, dynamic=False)
+    elif spec.compile:
+        run = torch.compile(model, mode=mode, dynamic=False)
     x_all, y_all = data
     x, y = x_all[:spec.batch_size], y_all[:spec.batch_size]
     dtype = PRECISIONS[spec.precision]

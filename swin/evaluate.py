@@ -94,9 +94,9 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
     shard: every sum is all-reduced, so all processes get the whole set's numbers.
     ``total``: number of images on this process, for the progress bar.
     ``amp``: None/'fp32', 'bf16' or 'fp16' autocast ('fp8': bf16); logits are upcast to fp32 for loss and ranking.
-    ``compiled``: ``torch.compile(model)``, run on the batches of the first batch's size; another size (the last,
-    partial batch) runs ``model`` eagerly rather than compiling a second graph. The result's compile_seconds is
-    the first batch's time with it (compiling included).
+    ``compiled``: the compiled model (``swin.compile_model(model, mode)``), run on the batches of the first batch's
+    size; another size (the last, partial batch) runs ``model`` eagerly rather than compiling a second graph. The
+    result's compile_seconds is the first batch's time with it (compiling included).
     """
     device = torch.device(device)
     was_training = model.training

@@ -23,16 +23,40 @@ def compile_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", [None, "default", "reduce-overhead", "max-autotune"])
-def test_compile_model_adds_our_options_to_the_mode(compile_calls, mode):
+@pytest.mark.parametrize(("dynamic", "fullgraph"), [(False, False), (None, True), (True, False)])
+def test_compile_model_adds_our_options_to_the_mode(compile_calls, mode, dynamic, fullgraph):
     model = torch.nn.Linear(4, 4)
-    compiled = swin.compile_model(model, mode, dynamic=False)
+    compiled = swin.compile_model(model, mode, dynamic=dynamic, fullgraph=fullgraph)
     assert compiled is not model and compiled._orig_mod is model
     (kwargs,) = compile_calls
-    expected = {**torch._inductor.list_mode_options(mode or "default"), **INDUCTOR_OPTIONS}
+    expected = {**torch._inductor.list_mode_options(mode or "default", dynamic), **INDUCTOR_OPTIONS}
     assert kwargs["options"] == expected and "mode" not in kwargs
-    assert kwargs["dynamic"] is False and kwargs["fullgraph"] is False
-    assert expected["combo_kernels"] is True
+    assert kwargs["dynamic"] is dynamic and kwargs["fullgraph"] is fullgraph
+    assert expected["combo_kernels"] is True  # this torch (2.14) combines dynamic reductions
     assert expected.get("triton.cudagraphs", False) == (mode in ("reduce-overhead", "max-autotune"))
+
+
+def test_dynamic_shapes_drop_combo_kernels_where_torch_cannot_combine_them(monkeypatch):
+    """torch 2.11's combo kernels raise on a persistent reduction over a dynamic dimension: dynamic=True compiles
+    without them there, static and automatic-dynamic compiles keep them."""
+    from swin.models import compiling
+
+    monkeypatch.setattr(compiling, "combo_kernels_take_dynamic_reductions", lambda: False)
+    assert "combo_kernels" not in compiling.inductor_options("reduce-overhead", dynamic=True)
+    assert compiling.inductor_options("reduce-overhead", dynamic=True)["triton.cudagraphs"] is True
+    assert compiling.inductor_options("reduce-overhead", dynamic=False)["combo_kernels"] is True
+    assert compiling.inductor_options("default", dynamic=None)["combo_kernels"] is True
+
+
+def test_combo_kernel_support_is_read_from_inductor(monkeypatch):
+    """The check looks for the old inductor's refusal in its combo-kernel code generator."""
+    from swin.models import compiling
+
+    detect = compiling.combo_kernels_take_dynamic_reductions.__wrapped__
+    assert detect() is True  # torch 2.14's inductor
+    old = 'raise RuntimeError("Dynamic shape on reduction dimension is not supported")'
+    monkeypatch.setattr(compiling.inspect, "getsource", lambda module: f"def f():\n    {old}\n")
+    assert detect() is False
 
 
 def test_compile_model_names_a_bad_mode():

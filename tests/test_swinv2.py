@@ -255,7 +255,7 @@ def test_gpu_flash_bf16_matches_fp32(name, img_size):
     standard_bf16.load_state_dict(model.state_dict())
     x = torch.randn(4, 3, *img_size, device="cuda")
     probe = torch.randn(4, model.num_classes, device="cuda")
-    compiled = torch.compile(model, fullgraph=True)
+    compiled = swin.compile_model(model, fullgraph=True)  # with train.py's inductor options
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out, out_std = compiled(x), standard_bf16(x)
     ref = reference(x)
