@@ -20,8 +20,8 @@ INDUCTOR_OPTIONS: Mapping[str, object] = types.MappingProxyType({"combo_kernels"
 @functools.cache
 def combo_kernels_take_dynamic_reductions() -> bool:
     """Whether this torch's combo kernels compile a persistent reduction over a dynamic dimension. Older inductors
-    (torch 2.11 among them) raise "Dynamic shape on reduction dimension is not supported" there instead
-    (pytorch/pytorch#187269): a backward with dynamic shapes sums gradients over the batch."""
+    (before the fix of pytorch/pytorch#187269, June 2026: torch 2.11 among them) raise "Dynamic shape on reduction
+    dimension is not supported" there instead, and a backward with dynamic shapes sums gradients over the batch."""
     from torch._inductor.codegen import triton_combo_kernel
 
     return "Dynamic shape on reduction dimension is not supported" not in inspect.getsource(triton_combo_kernel)
