@@ -120,7 +120,7 @@ import swin  # noqa: E402
 import swin.config  # noqa: E402, F401  (registers the config schemas before Hydra composes)
 from scripts.bench_attention import host_us  # noqa: E402  (the same queued host timing)
 from swin.config import ModelConfig  # noqa: E402
-from swin.models.compiling import inductor_options  # noqa: E402
+from swin.models.compiling import flat_options, inductor_options  # noqa: E402
 from swin.models.swin_transformer import SwinTransformerBlock, WindowAttentionBase  # noqa: E402
 from swin.precision import fp8_linears, fp8_problem  # noqa: E402
 from swin.train.distributed import pick_device  # noqa: E402
@@ -136,6 +136,9 @@ class GridRow:
     compile: list[bool] = field(default_factory=lambda: [False])
     compile_mode: str | None = None  # None: the benchmark's compile_mode
     fused_mlp_act: bool | None = None  # ours only: fc1 + GELU as one cuBLASLt GEMM in inference; None: the model's
+    # ours, compiled: inductor options over swin.compile_model's, e.g. {combo_kernels: false} or
+    # {triton: {mix_order_reduction: false}} (nested keys join with dots, as inductor names them)
+    inductor: dict[str, Any] | None = None
 
 
 @dataclass
@@ -208,13 +211,20 @@ class RowSpec:
     # ours: fc1 + GELU as one cuBLASLt GEMM (GELU epilogue) in bf16/fp16 inference; None: the model's default (on;
     # timm rows: not theirs)
     fused_mlp_act: bool | None = None
+    # ours, compiled: inductor options over swin.compile_model's, sorted (name, value) pairs (a row's inductor: dict)
+    inductor: tuple[tuple[str, Any], ...] = ()
 
     @property
     def label(self) -> str:
         mode = f"({self.compile_mode})" if self.compile and self.compile_mode else ""
         fused = " -fused_gelu" if self.impl == "ours" and self.fused_mlp_act is False else ""
-        return (f"{self.impl}{fused} {self.attention}{' +compile' if self.compile else ''}{mode} b{self.batch_size} "
-                f"{self.precision}")
+        return (f"{self.impl}{fused} {self.attention}{' +compile' if self.compile else ''}{mode}"
+                f"{inductor_label(self.inductor) if self.compile else ''} b{self.batch_size} {self.precision}")
+
+
+def inductor_label(inductor: Iterable[Iterable[Any]]) -> str:
+    """" +name=value ..." of a row's inductor overrides ("" without)."""
+    return "".join(f" +{name}={value}" for name, value in inductor)
 
 
 def _as_list(value: Any) -> list:
@@ -239,6 +249,11 @@ def expand_grid(grid: DictConfig, fused_mlp_act: bool = True) -> list[RowSpec]:
             raise ValueError("grid row fused_mlp_act is a setting of ours (swin.create_model), not of timm's model")
         # ours: the row's setting, else the model config's; timm: None (not a setting of its model)
         fused = (fused_mlp_act if fused is None else bool(fused)) if impl == "ours" else None
+        inductor = entry.get("inductor")
+        if inductor is not None and impl != "ours":
+            raise ValueError("grid row inductor (options over swin.compile_model's) is a setting of ours; timm's "
+                             "rows compile with torch.compile as its users do")
+        inductor = tuple(sorted(flat_options(OmegaConf.to_container(inductor)).items())) if inductor else ()
         for compiled in _as_list(entry.get("compile", [False])):
             for batch in _as_list(grid.batch_size):
                 for precision in _as_list(grid.precision):
@@ -246,7 +261,7 @@ def expand_grid(grid: DictConfig, fused_mlp_act: bool = True) -> list[RowSpec]:
                         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
                     mode = entry.get("compile_mode")
                     specs.append(RowSpec(impl, attention, bool(compiled), int(batch), str(precision),
-                                         None if mode is None else str(mode), fused))
+                                         None if mode is None else str(mode), fused, inductor))
     return specs
 
 
@@ -740,8 +755,8 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
     # ours as train.py compiles it (swin.compile_model: the mode plus our inductor options); timm as its users do
     run = model
     if spec.compile and spec.impl == "ours":
-        row["inductor_options"] = inductor_options(mode, dynamic=False)
-        run = swin.compile_model(model, mode, dynamic=False)
+        row["inductor_options"] = inductor_options(mode, False, dict(spec.inductor))
+        run = swin.compile_model(model, mode, dynamic=False, overrides=dict(spec.inductor))
     elif spec.compile:
         run = torch.compile(model, mode=mode, dynamic=False)
     x_all, y_all = data
@@ -875,7 +890,9 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
         cols += ["attn % infer step", "attn % train step"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        compiled = (r.get("compile_mode") or "yes") if r["compile"] else "no"
+        compiled = "no"
+        if r["compile"]:
+            compiled = (r.get("compile_mode") or "yes") + inductor_label(r.get("inductor") or ())
         impl = r["impl"] + (" -fused GELU" if r["impl"] == "ours" and r.get("fused_mlp_act") is False else "")
         head = [impl, r["attention"], compiled, str(r["batch_size"]), r["precision"]]
         if "error" in r or "skipped" in r:
@@ -898,7 +915,7 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
 
 def _row_label(r: dict[str, Any]) -> str:
     return RowSpec(r["impl"], r["attention"], r["compile"], r["batch_size"], r["precision"],
-                   r.get("compile_mode"), r.get("fused_mlp_act")).label
+                   r.get("compile_mode"), r.get("fused_mlp_act"), tuple(map(tuple, r.get("inductor") or ()))).label
 
 
 def _largest_share(breakdown: dict[str, float]) -> str:

@@ -64,16 +64,33 @@ def test_compile_model_names_a_bad_mode():
         swin.compile_model(torch.nn.Linear(4, 4), "fastest")
 
 
-def test_train_setup_compiles_through_compile_model(compile_calls, tmp_path):
-    """train.py's model is compiled with the same options (the model is built, not run)."""
+@pytest.mark.parametrize("overrides", [[], ["+train.compile_options.combo_kernels=false",
+                                               "+train.compile_options.triton.mix_order_reduction=false"]])
+def test_train_setup_compiles_through_compile_model(compile_calls, tmp_path, overrides):
+    """train.py's model is compiled with the same options, and train.compile_options over them (the model is
+    built, not run)."""
     from _train_utils import DET, make_cfg
 
     from swin.config import to_settings
     from swin.train.distributed import DistInfo
     from swin.train.setup import setup
 
-    cfg = make_cfg(*DET, "device=cpu", "train.compile=true", "train.compile_mode=reduce-overhead")
+    cfg = make_cfg(*DET, "device=cpu", "train.compile=true", "train.compile_mode=reduce-overhead", *overrides)
     run = setup(to_settings(cfg), tmp_path, DistInfo(0, 0, 1, torch.device("cpu")))
     (kwargs,) = compile_calls
-    assert kwargs["options"] == {"triton.cudagraphs": True, **INDUCTOR_OPTIONS}
+    expected = {"triton.cudagraphs": True, **INDUCTOR_OPTIONS}
+    if overrides:
+        expected.update({"combo_kernels": False, "triton.mix_order_reduction": False})
+    assert kwargs["options"] == expected
     assert run.fwd_model._orig_mod is run.raw_model
+
+
+def test_unknown_compile_option_is_one_config_error():
+    from _train_utils import make_cfg
+
+    from swin.config import ConfigError
+    from swin.train.checks import check_config
+
+    cfg = make_cfg("+train.compile_options.combo_kernel=false")
+    with pytest.raises(ConfigError, match=r"train.compile_options: inductor option\(s\) \['combo_kernel'\] unknown"):
+        check_config(cfg, 1, torch.device("cpu"))

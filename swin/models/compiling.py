@@ -27,10 +27,24 @@ def combo_kernels_take_dynamic_reductions() -> bool:
     return "Dynamic shape on reduction dimension is not supported" not in inspect.getsource(triton_combo_kernel)
 
 
-def inductor_options(mode: str | None = "default", dynamic: bool | None = None) -> dict[str, object]:
-    """The options compile_model passes: the mode's (torch._inductor.list_mode_options) plus INDUCTOR_OPTIONS,
-    without combo kernels for dynamic=True where this torch cannot combine dynamic reductions. ValueError, listing
-    the modes, for an unknown mode."""
+def flat_options(options: Mapping[str, object], prefix: str = "") -> dict[str, object]:
+    """{"triton": {"mix_order_reduction": False}} -> {"triton.mix_order_reduction": False}: inductor's names."""
+    flat: dict[str, object] = {}
+    for key, value in options.items():
+        if isinstance(value, Mapping):
+            flat.update(flat_options(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def inductor_options(mode: str | None = "default", dynamic: bool | None = None,
+                     overrides: Mapping[str, object] | None = None) -> dict[str, object]:
+    """The options compile_model passes: the mode's (torch._inductor.list_mode_options), then INDUCTOR_OPTIONS
+    (without combo kernels for dynamic=True where this torch cannot combine dynamic reductions), then `overrides`
+    (inductor config names, e.g. ``{"combo_kernels": False, "triton.mix_order_reduction": False}``; nested
+    mappings, as a Hydra override makes them, join their keys with dots). ValueError for an unknown mode (listing
+    the modes) or an override that is not an inductor option of this torch."""
     mode = mode or "default"
     try:
         options = torch._inductor.list_mode_options(mode, dynamic)
@@ -39,13 +53,19 @@ def inductor_options(mode: str | None = "default", dynamic: bool | None = None) 
     ours = dict(INDUCTOR_OPTIONS)
     if dynamic is True and not combo_kernels_take_dynamic_reductions():
         ours.pop("combo_kernels")
-    return {**options, **ours}
+    overrides = flat_options(overrides or {})
+    if unknown := sorted(set(overrides) - set(torch._inductor.config.get_config_copy())):
+        raise ValueError(f"inductor option(s) {unknown} unknown to torch {torch.__version__}: use names of "
+                         "torch._inductor.config, e.g. combo_kernels or triton.mix_order_reduction")
+    return {**options, **ours, **overrides}
 
 
 def compile_model(model: nn.Module, mode: str | None = "default", dynamic: bool | None = None,
-                  fullgraph: bool = False) -> nn.Module:
+                  fullgraph: bool = False, overrides: Mapping[str, object] | None = None) -> nn.Module:
     """``torch.compile(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph)`` with :func:`inductor_options`.
 
     torch.compile takes a mode or options, not both: the mode is expanded into its options and ours are added.
-    mode: a torch.compile mode (``default``, ``reduce-overhead``, ``max-autotune``, ...; None: ``default``)."""
-    return torch.compile(model, dynamic=dynamic, fullgraph=fullgraph, options=inductor_options(mode, dynamic))
+    mode: a torch.compile mode (``default``, ``reduce-overhead``, ``max-autotune``, ...; None: ``default``).
+    overrides: inductor options that replace ours or the mode's (inductor_options)."""
+    return torch.compile(model, dynamic=dynamic, fullgraph=fullgraph,
+                         options=inductor_options(mode, dynamic, overrides))

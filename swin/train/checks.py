@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from swin.config import ConfigError, ModelConfig, TrainAppConfig, to_settings
 from swin.data.datasets import check_decode
 from swin.models.attention import check_backend
+from swin.models.compiling import inductor_options
 from swin.models.registry import MODEL_CONFIGS, architecture, config_overrides
 from swin.precision import TRAIN_AMP_CHOICES, fp8_problem
 
@@ -123,6 +124,10 @@ def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torc
         raise ConfigError(f"train.compile={t.compile!r}: use auto (compile on CUDA), true or false")
     if t.compile_mode not in ("auto", *COMPILE_MODES):
         raise ConfigError(f"train.compile_mode={t.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}, or auto")
+    try:
+        inductor_options(overrides=t.compile_options)
+    except ValueError as e:
+        raise ConfigError(f"train.compile_options: {e}") from None
     if t.amp not in TRAIN_AMP_CHOICES:
         raise ConfigError(f"train.amp={t.amp!r}: use auto, bf16, fp16, fp32 or fp8")
     if t.amp == "fp8" and (problem := fp8_problem(device, "train.amp")):
