@@ -800,7 +800,10 @@ def test_gpu_model_compiled_matches_eager(dtype):
 def test_launch_plans_are_computed_once_per_call_key(monkeypatch):
     """An eager call's launch parameters come from a plan cached per (geometry, dtype, device, flags, tuning): a
     repeated call computes none, another batch size or another tuning computes its own. Without gradients the call
-    skips the autograd function and gives the same output."""
+    skips the autograd function and gives the same output. The replay cache starts empty: on the GPU an earlier
+    test's call of the same signature would otherwise be replayed without consulting any plan."""
+    from kernels.flash_window import launch
+    monkeypatch.setattr(launch, "_REPLAYS", {})
     calls = []
     config = plan.launch_config
     monkeypatch.setattr(plan, "launch_config", lambda *a, **k: calls.append(a) or config(*a, **k))
