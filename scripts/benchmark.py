@@ -136,7 +136,7 @@ class GridRow:
     compile: list[bool] = field(default_factory=lambda: [False])
     compile_mode: str | None = None  # None: the benchmark's compile_mode
     fused_mlp_act: bool | None = None  # ours only: fc1 + GELU as one cuBLASLt GEMM in inference; None: the model's
-    # ours, compiled: inductor options over swin.compile_model's, e.g. {combo_kernels: false} or
+    # ours, compiled: inductor options over swin.compile_model's, e.g. {combo_kernels: true} or
     # {triton: {mix_order_reduction: false}} (nested keys join with dots, as inductor names them)
     inductor: dict[str, Any] | None = None
 
@@ -752,13 +752,17 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
         row["our_fused_mlp_act"] = all(b.fused_mlp_act for b in model.modules() if isinstance(b, SwinTransformerBlock))
     row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
     mode = spec.compile_mode or cfg.compile_mode
-    # ours as train.py compiles it (swin.compile_model: the mode plus our inductor options); timm as its users do
-    run = model
+    # ours as eval.py (inference) and train.py (training) compile it (swin.compile_model: the mode plus our inductor
+    # options for each); timm as its users do
+    infer_run = train_run = model
     if spec.compile and spec.impl == "ours":
-        row["inductor_options"] = inductor_options(mode, False, dict(spec.inductor))
-        run = swin.compile_model(model, mode, dynamic=False, overrides=dict(spec.inductor))
+        inductor = dict(spec.inductor)
+        row["infer_inductor_options"] = inductor_options(mode, False, inductor, training=False)
+        row["train_inductor_options"] = inductor_options(mode, False, inductor, training=True)
+        infer_run = swin.compile_model(model, mode, dynamic=False, overrides=inductor, training=False)
+        train_run = swin.compile_model(model, mode, dynamic=False, overrides=inductor, training=True)
     elif spec.compile:
-        run = torch.compile(model, mode=mode, dynamic=False)
+        infer_run = train_run = torch.compile(model, mode=mode, dynamic=False)
     x_all, y_all = data
     x, y = x_all[:spec.batch_size], y_all[:spec.batch_size]
     dtype = PRECISIONS[spec.precision]
@@ -770,7 +774,7 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
 
     def infer_step() -> torch.Tensor:
         with torch.no_grad(), amp():
-            return run(x)
+            return infer_run(x)
 
     fused = device.type == "cuda" if cfg.optimizer.fused == "auto" else bool(cfg.optimizer.fused)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay,
@@ -780,7 +784,8 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
 
     def train_step() -> None:
         with amp():
-            loss = features_loss(run(x)) if cfg.features_only else F.cross_entropy(run(x), y)
+            out = train_run(x)
+            loss = features_loss(out) if cfg.features_only else F.cross_entropy(out, y)
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(opt)

@@ -167,8 +167,8 @@ class TrainConfig:
     compile: Any = key("torch.compile the model: auto (on CUDA, not on the CPU) | true | false")
     compile_mode: str = key("auto (CUDA graphs, also under DDP; default with accum_steps > 1) | default | "
                             "reduce-overhead | max-autotune | max-autotune-no-cudagraphs")
-    compile_options: dict[str, Any] = key("inductor options over swin.compile_model's (its combo kernels), by "
-                                          "torch._inductor.config name, e.g. {combo_kernels: false}")
+    compile_options: dict[str, Any] = key("inductor options over swin.compile_model's (the mode's), by "
+                                          "torch._inductor.config name, e.g. {combo_kernels: true}")
     grad_checkpointing: bool = key("recompute blocks in the backward: less memory, slower")
     ema: bool = key("keep an exponential moving average of the weights (evaluated, kept as best.pt)")
     ema_decay: float = key("EMA decay per update")

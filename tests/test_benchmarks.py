@@ -186,30 +186,33 @@ def test_benchmark_fused_gelu_rows(tmp_path):
 
 def test_grid_rows_take_inductor_options(monkeypatch):
     """A row's inductor options (nested keys joined as inductor names them) reach swin.compile_model over ours,
-    are recorded with the row and label it; timm's rows refuse them, and an unknown name is one ValueError."""
+    are recorded with the row and label it; the row compiles its inference step as eval.py does and its training
+    step as train.py does; timm's rows refuse them, and an unknown name is one ValueError."""
     from hydra import compose, initialize_config_dir
 
     import scripts.benchmark as bench
 
     rows = ("[{impl:ours,attention:sdpa,compile:[true],compile_mode:reduce-overhead,"
-            "inductor:{combo_kernels:false,triton:{mix_order_reduction:false}}},{impl:ours,attention:sdpa}]")
+            "inductor:{triton:{mix_order_reduction:false}}},{impl:ours,attention:sdpa}]")
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("benchmark", overrides=["model=swin_micro", "device=cpu", f"grid.rows={rows}",
                                               "grid.batch_size=[2]", "grid.precision=[fp32]"])
     tuned, plain = bench.expand_grid(cfg.grid)
-    assert tuned.inductor == (("combo_kernels", False), ("triton.mix_order_reduction", False))
+    assert tuned.inductor == (("triton.mix_order_reduction", False),)
     assert plain.inductor == ()
-    assert tuned.label == ("ours sdpa +compile(reduce-overhead) +combo_kernels=False "
-                           "+triton.mix_order_reduction=False b2 fp32")
+    assert tuned.label == "ours sdpa +compile(reduce-overhead) +triton.mix_order_reduction=False b2 fp32"
     compiled_with = []
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compiled_with.append(kwargs) or model)
     name, arch = bench.architecture(cfg.model)
     side = arch["img_size"]  # swin_micro: one int
     data = (torch.randn(2, 3, side, side), torch.zeros(2, dtype=torch.long))
     steps = bench.build_row(tuned, name, arch, cfg, torch.device("cpu"), data)
-    expected = {"triton.cudagraphs": True, "combo_kernels": False, "triton.mix_order_reduction": False}
-    assert compiled_with == [{"dynamic": False, "fullgraph": False, "options": expected}]
-    assert steps.info["inductor_options"] == expected and steps.info["inductor"] == tuned.inductor
+    train = {"triton.cudagraphs": True, "triton.mix_order_reduction": False}
+    infer = {"triton.cudagraphs": True, "combo_kernels": True, "triton.mix_order_reduction": False}
+    assert compiled_with == [{"dynamic": False, "fullgraph": False, "options": infer},
+                             {"dynamic": False, "fullgraph": False, "options": train}]
+    assert steps.info["infer_inductor_options"] == infer and steps.info["train_inductor_options"] == train
+    assert steps.info["inductor"] == tuned.inductor
     from omegaconf import OmegaConf
 
     timm_row = OmegaConf.create({"batch_size": [2], "precision": ["fp32"], "rows": [

@@ -5,7 +5,7 @@ import torch
 import torch._inductor
 
 import swin
-from swin.models.compiling import INDUCTOR_OPTIONS
+from swin.models.compiling import LAUNCH_BOUND_OPTIONS
 
 
 @pytest.fixture
@@ -24,16 +24,20 @@ def compile_calls(monkeypatch):
 
 @pytest.mark.parametrize("mode", [None, "default", "reduce-overhead", "max-autotune"])
 @pytest.mark.parametrize(("dynamic", "fullgraph"), [(False, False), (None, True), (True, False)])
-def test_compile_model_adds_our_options_to_the_mode(compile_calls, mode, dynamic, fullgraph):
+@pytest.mark.parametrize("training", [True, False])
+def test_compile_model_adds_our_options_to_the_mode(compile_calls, mode, dynamic, fullgraph, training):
+    """Combo kernels on top of the mode's options, except for training under CUDA graphs."""
     model = torch.nn.Linear(4, 4)
-    compiled = swin.compile_model(model, mode, dynamic=dynamic, fullgraph=fullgraph)
+    compiled = swin.compile_model(model, mode, dynamic=dynamic, fullgraph=fullgraph, training=training)
     assert compiled is not model and compiled._orig_mod is model
     (kwargs,) = compile_calls
-    expected = {**torch._inductor.list_mode_options(mode or "default", dynamic), **INDUCTOR_OPTIONS}
+    graphs = mode in ("reduce-overhead", "max-autotune")
+    expected = {**torch._inductor.list_mode_options(mode or "default", dynamic),
+                **({} if training and graphs else LAUNCH_BOUND_OPTIONS)}
     assert kwargs["options"] == expected and "mode" not in kwargs
     assert kwargs["dynamic"] is dynamic and kwargs["fullgraph"] is fullgraph
-    assert expected["combo_kernels"] is True  # this torch (2.14) combines dynamic reductions
-    assert expected.get("triton.cudagraphs", False) == (mode in ("reduce-overhead", "max-autotune"))
+    assert expected.get("combo_kernels", False) is not (training and graphs)  # torch 2.14 combines dynamic ones
+    assert expected.get("triton.cudagraphs", False) == graphs
 
 
 def test_dynamic_shapes_drop_combo_kernels_where_torch_cannot_combine_them(monkeypatch):
@@ -42,10 +46,13 @@ def test_dynamic_shapes_drop_combo_kernels_where_torch_cannot_combine_them(monke
     from swin.models import compiling
 
     monkeypatch.setattr(compiling, "combo_kernels_take_dynamic_reductions", lambda: False)
-    assert "combo_kernels" not in compiling.inductor_options("reduce-overhead", dynamic=True)
-    assert compiling.inductor_options("reduce-overhead", dynamic=True)["triton.cudagraphs"] is True
-    assert compiling.inductor_options("reduce-overhead", dynamic=False)["combo_kernels"] is True
+    options = compiling.inductor_options("reduce-overhead", dynamic=True, training=False)
+    assert "combo_kernels" not in options and options["triton.cudagraphs"] is True
+    assert compiling.inductor_options("reduce-overhead", dynamic=False, training=False)["combo_kernels"] is True
     assert compiling.inductor_options("default", dynamic=None)["combo_kernels"] is True
+    assert "combo_kernels" not in compiling.inductor_options("default", dynamic=True)
+    forced = compiling.inductor_options("default", dynamic=True, overrides={"combo_kernels": True})
+    assert forced["combo_kernels"] is True  # an explicit override is the caller's choice
 
 
 def test_combo_kernel_support_is_read_from_inductor(monkeypatch):
@@ -64,7 +71,7 @@ def test_compile_model_names_a_bad_mode():
         swin.compile_model(torch.nn.Linear(4, 4), "fastest")
 
 
-@pytest.mark.parametrize("overrides", [[], ["+train.compile_options.combo_kernels=false",
+@pytest.mark.parametrize("overrides", [[], ["+train.compile_options.combo_kernels=true",
                                                "+train.compile_options.triton.mix_order_reduction=false"]])
 def test_train_setup_compiles_through_compile_model(compile_calls, tmp_path, overrides):
     """train.py's model is compiled with the same options, and train.compile_options over them (the model is
@@ -78,9 +85,9 @@ def test_train_setup_compiles_through_compile_model(compile_calls, tmp_path, ove
     cfg = make_cfg(*DET, "device=cpu", "train.compile=true", "train.compile_mode=reduce-overhead", *overrides)
     run = setup(to_settings(cfg), tmp_path, DistInfo(0, 0, 1, torch.device("cpu")))
     (kwargs,) = compile_calls
-    expected = {"triton.cudagraphs": True, **INDUCTOR_OPTIONS}
+    expected = {"triton.cudagraphs": True}  # a training compile: no inference options
     if overrides:
-        expected.update({"combo_kernels": False, "triton.mix_order_reduction": False})
+        expected.update({"combo_kernels": True, "triton.mix_order_reduction": False})
     assert kwargs["options"] == expected
     assert run.fwd_model._orig_mod is run.raw_model
 

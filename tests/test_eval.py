@@ -134,6 +134,22 @@ def test_eval_timm_and_microsoft_checkpoints(digits_val, tmp_path, layout):
     assert json.loads((tmp_path / "res.json").read_text())["top1"] == res["top1"]
 
 
+def test_eval_compiles_for_inference(digits_val, tmp_path, monkeypatch):
+    """eval.py compiles through swin.compile_model with training=False (its inference options); the compiled
+    model's metrics are the model's (the spy hands the model back uncompiled)."""
+    import swin.evaluate
+
+    ref, _, y, logits = digits_val
+    torch.save(ref.state_dict(), tmp_path / "ckpt.pth")
+    calls = []
+    monkeypatch.setattr(swin.evaluate, "compile_model", lambda model, mode, **kw: calls.append((mode, kw)) or model)
+    cfg = eval_cfg(f"checkpoint={tmp_path / 'ckpt.pth'}", "model=swin_micro", "data=digits", "batch_size=37",
+                   "progress=false", "device=cpu", "compile=true")
+    res = run_eval(cfg, tmp_path, {"model", "data"})
+    assert calls == [("default", {"training": False})]
+    assert res["top1"] == pytest.approx(reference_metrics(logits, y)[0], abs=1e-4)
+
+
 def test_eval_transforms_follow_timm_pretrained_config(tmp_path, caplog):
     """An image folder evaluated with a timm-named model: resize/crop 0.9/bicubic/mean-std from timm's cfg."""
     from PIL import Image

@@ -10,11 +10,12 @@ import torch
 import torch._inductor
 import torch.nn as nn
 
-# Inductor options on top of the compile mode's. combo_kernels fuses independent small kernels side by side: a
-# Swin step launches about a hundred tiny kernels per forward (autocast's casts of the weights and biases) and as
-# many per backward (the casts of their gradients); combined, the CUDA-graph step launches a quarter fewer kernels
-# and runs faster (docs/performance.md).
-INDUCTOR_OPTIONS: Mapping[str, object] = types.MappingProxyType({"combo_kernels": True})
+# Inductor options on top of the compile mode's where the step is bound by its launches: inference (eval.py), and
+# training without CUDA graphs (the default mode launches every kernel from the host). combo_kernels fuses
+# independent small kernels side by side (autocast's casts of the weights and biases among them), so fewer
+# launches. A training step replayed as CUDA graphs is not given them: at Swin-T 224 batch 128 they slowed its GPU
+# work down (docs/performance.md).
+LAUNCH_BOUND_OPTIONS: Mapping[str, object] = types.MappingProxyType({"combo_kernels": True})
 
 
 @functools.cache
@@ -39,9 +40,10 @@ def flat_options(options: Mapping[str, object], prefix: str = "") -> dict[str, o
 
 
 def inductor_options(mode: str | None = "default", dynamic: bool | None = None,
-                     overrides: Mapping[str, object] | None = None) -> dict[str, object]:
-    """The options compile_model passes: the mode's (torch._inductor.list_mode_options), then INDUCTOR_OPTIONS
-    (without combo kernels for dynamic=True where this torch cannot combine dynamic reductions), then `overrides`
+                     overrides: Mapping[str, object] | None = None, training: bool = True) -> dict[str, object]:
+    """The options compile_model passes: the mode's (torch._inductor.list_mode_options), then, unless ``training``
+    under CUDA graphs, LAUNCH_BOUND_OPTIONS (without combo kernels for dynamic=True where this torch cannot combine
+    dynamic reductions), then `overrides`
     (inductor config names, e.g. ``{"combo_kernels": False, "triton.mix_order_reduction": False}``; nested
     mappings, as a Hydra override makes them, join their keys with dots). ValueError for an unknown mode (listing
     the modes) or an override that is not an inductor option of this torch."""
@@ -50,8 +52,8 @@ def inductor_options(mode: str | None = "default", dynamic: bool | None = None,
         options = torch._inductor.list_mode_options(mode, dynamic)
     except RuntimeError as e:  # torch's message lists the modes
         raise ValueError(f"torch.compile mode {mode!r}: {e}") from None
-    ours = dict(INDUCTOR_OPTIONS)
-    if dynamic is True and not combo_kernels_take_dynamic_reductions():
+    ours = {} if training and options.get("triton.cudagraphs") else dict(LAUNCH_BOUND_OPTIONS)
+    if "combo_kernels" in ours and dynamic is True and not combo_kernels_take_dynamic_reductions():
         ours.pop("combo_kernels")
     overrides = flat_options(overrides or {})
     if unknown := sorted(set(overrides) - set(torch._inductor.config.get_config_copy())):
@@ -61,11 +63,13 @@ def inductor_options(mode: str | None = "default", dynamic: bool | None = None,
 
 
 def compile_model(model: nn.Module, mode: str | None = "default", dynamic: bool | None = None,
-                  fullgraph: bool = False, overrides: Mapping[str, object] | None = None) -> nn.Module:
+                  fullgraph: bool = False, overrides: Mapping[str, object] | None = None,
+                  training: bool = True) -> nn.Module:
     """``torch.compile(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph)`` with :func:`inductor_options`.
 
     torch.compile takes a mode or options, not both: the mode is expanded into its options and ours are added.
     mode: a torch.compile mode (``default``, ``reduce-overhead``, ``max-autotune``, ...; None: ``default``).
-    overrides: inductor options that replace ours or the mode's (inductor_options)."""
+    overrides: inductor options that replace ours or the mode's (inductor_options). training: False for a model
+    that only runs inference (eval.py); our options depend on it (inductor_options)."""
     return torch.compile(model, dynamic=dynamic, fullgraph=fullgraph,
-                         options=inductor_options(mode, dynamic, overrides))
+                         options=inductor_options(mode, dynamic, overrides, training))
