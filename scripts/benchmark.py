@@ -25,7 +25,7 @@ an attention module is built, so it is set with ``timm.layers.set_fused_attn`` b
 every WindowAttention module (``attn.fused_attn``). timm's Swin V2 (``swinv2_*`` names; ``swinv2_micro``: timm's
 SwinTransformerV2 class with our config) has explicit attention math only: its ``math`` rows run, its ``sdpa`` /
 ``sdpa_no_cudnn`` rows are skipped (``grid=swinv2`` has none). Compiled rows use ``dynamic=False``:
-ours ``swin.compile_model`` (as train.py: the mode plus our inductor options), timm ``torch.compile``. Memory and
+ours ``swin.compile_model`` (inference as eval.py, training as train.py), timm ``torch.compile``. Memory and
 compiled graphs are freed between rows. With ``features_only``
 (``grid=backbone``: 800x1216, as a detector feeds its backbone) both sides are their features_only models, and
 the training loss is every map's mean square (a dense head's stand-in).
