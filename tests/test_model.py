@@ -186,10 +186,13 @@ def test_bad_input_errors():
 
 
 def _saved_bytes(model: torch.nn.Module, x: torch.Tensor, probe: torch.Tensor) -> int:
+    """Bytes of the activations one forward keeps for backward (parameters, which exist anyway, left out)."""
     storages: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -217,3 +220,38 @@ def test_recomputed_mlp_activation_keeps_less_and_matches_timm():
     ref_params = dict(ref.named_parameters())
     for name, p in recomputed.named_parameters():
         assert rel_err(p.grad, ref_params[name].grad) < 1e-4, name
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_eager_mlp_recompute_matches_the_checkpointed_one(monkeypatch, frozen):
+    """Eager training runs GELU and fc2 as _GeluLinear (GELU recomputed for fc2's weight gradient, fc2 not re-run):
+    under bfloat16 autocast, and with fc2 frozen (fine-tuning part of a model), its gradients are the checkpointed
+    path's, which recomputes both."""
+    import swin.models.swin_transformer as st
+
+    model = swin.create_model("swin_micro", attention="sdpa", img_size=32)  # 16x16 then 8x8 maps, shifted windows
+    if frozen:
+        for block in (b for s in model.layers for b in s.blocks):
+            block.mlp.fc2.requires_grad_(False)
+    x, probe = torch.randn(2, 3, 32, 32), torch.randn(2, 10)
+    calls = []
+    real = st._GeluLinear.apply
+    monkeypatch.setattr(st._GeluLinear, "apply", lambda *a: calls.append(1) or real(*a))
+
+    def grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        (out.float() * probe).sum().backward()
+        return out.float(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    out_fn, grads_fn = grads()
+    assert len(calls) == sum(len(s.blocks) for s in model.layers)
+    monkeypatch.setattr(st, "gelu_fc2", lambda *a: None)  # the checkpoint around GELU and fc2
+    out_ckpt, grads_ckpt = grads()
+    assert torch.equal(out_fn, out_ckpt)
+    assert grads_fn.keys() == grads_ckpt.keys() and grads_fn
+    assert not frozen or not any("mlp.fc2" in n for n in grads_fn)
+    for name, g in grads_fn.items():
+        assert g.dtype == torch.float32, name
+        assert rel_err(g, grads_ckpt[name]) < 1e-2, (name, rel_err(g, grads_ckpt[name]))

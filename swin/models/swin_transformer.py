@@ -76,6 +76,46 @@ def fc1_gelu_epilogue(x: torch.Tensor, fc1: nn.Linear, act: nn.Module) -> torch.
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+class _GeluLinear(torch.autograd.Function):
+    """fc2(GELU(hidden)) keeping only ``hidden`` (fc1's output) and fc2's weight for the backward, which recomputes
+    GELU for fc2's weight gradient. An eager-mode stand-in for a checkpoint around GELU and fc2: that one re-runs
+    fc2's GEMM too, and its Python costs the host more than the two ops it saves."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                approximate: str) -> torch.Tensor:
+        out = F.linear(F.gelu(hidden, approximate=approximate), weight, bias)  # autocast casts as for F.linear
+        ctx.save_for_backward(hidden, weight)
+        ctx.approximate, ctx.bias_dtype = approximate, None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight = ctx.saved_tensors
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        grad_hidden = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_act = (grad2d @ weight.to(grad.dtype)).view(hidden.shape).to(hidden.dtype)
+            grad_hidden = torch.ops.aten.gelu_backward(grad_act, hidden, approximate=ctx.approximate)
+        if ctx.needs_input_grad[1]:
+            act = F.gelu(hidden, approximate=ctx.approximate).reshape(-1, hidden.shape[-1]).to(grad.dtype)
+            grad_weight = (grad2d.t() @ act).to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad2d.sum(0).to(ctx.bias_dtype)
+        return grad_hidden, grad_weight, grad_bias, None
+
+
+def gelu_fc2(hidden: torch.Tensor, act: nn.Module, fc2: nn.Module) -> torch.Tensor | None:
+    """fc2(act(hidden)) through :class:`_GeluLinear` (GELU recomputed in the backward, fc2 not), or None where it
+    does not apply: under torch.compile (whose partitioner recomputes just the GELU of the caller's checkpoint),
+    for an ``act`` other than ``nn.GELU`` or an fc2 other than ``nn.Linear`` (FP8), or without gradients."""
+    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not isinstance(act, nn.GELU)
+            or type(fc2) is not nn.Linear):
+        return None
+    return _GeluLinear.apply(hidden, fc2.weight, fc2.bias, act.approximate)
+
+
 def check_images(x: torch.Tensor, in_chans: int, img_size: tuple[int, int], patch_size: tuple[int, int],
                  dynamic_img_size: bool) -> None:
     """ValueError, naming the fix, unless x is a (B, in_chans, H, W) batch of img_size images (with
@@ -313,6 +353,12 @@ class SwinTransformerBlock(nn.Module):
             # Keep only fc1's output for backward and recompute GELU from it, instead of keeping both: the
             # GELU output (4C per token, fc2's input) is the largest activation a block holds, and
             # recomputing it is one pointwise op (fused into GELU's backward under torch.compile).
+            mlp = self.mlp
+            if isinstance(mlp.drop1, nn.Identity | nn.Dropout) and not getattr(mlp.drop1, "p", 0.0) \
+                    and isinstance(mlp.norm, nn.Identity):
+                out = gelu_fc2(hidden, mlp.act, mlp.fc2)
+                if out is not None:
+                    return mlp.drop2(out)
             return checkpoint(self._mlp_tail, hidden, use_reentrant=False)
         return self._mlp_tail(hidden)
 
