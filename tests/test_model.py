@@ -247,7 +247,7 @@ def test_eager_mlp_recompute_matches_the_checkpointed_one(monkeypatch, frozen):
 
     out_fn, grads_fn = grads()
     assert len(calls) == sum(len(s.blocks) for s in model.layers)
-    monkeypatch.setattr(st, "gelu_fc2", lambda *a: None)  # the checkpoint around GELU and fc2
+    monkeypatch.setattr(st, "mlp_tail_recomputing_gelu", lambda *a: None)  # the checkpoint around GELU and fc2
     out_ckpt, grads_ckpt = grads()
     assert torch.equal(out_fn, out_ckpt)
     assert grads_fn.keys() == grads_ckpt.keys() and grads_fn

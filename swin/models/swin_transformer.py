@@ -106,14 +106,16 @@ class _GeluLinear(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None
 
 
-def gelu_fc2(hidden: torch.Tensor, act: nn.Module, fc2: nn.Module) -> torch.Tensor | None:
-    """fc2(act(hidden)) through :class:`_GeluLinear` (GELU recomputed in the backward, fc2 not), or None where it
-    does not apply: under torch.compile (whose partitioner recomputes just the GELU of the caller's checkpoint),
-    for an ``act`` other than ``nn.GELU`` or an fc2 other than ``nn.Linear`` (FP8), or without gradients."""
-    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not isinstance(act, nn.GELU)
-            or type(fc2) is not nn.Linear):
+def mlp_tail_recomputing_gelu(mlp: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+    """timm Mlp's layers after fc1, drop2(fc2(GELU(hidden))), through :class:`_GeluLinear` (GELU recomputed in the
+    backward, fc2 not), or None where it does not apply: under torch.compile (whose partitioner recomputes just the
+    GELU of the caller's checkpoint), for an ``act`` other than ``nn.GELU``, an fc2 other than ``nn.Linear`` (FP8),
+    or a drop1 or norm that is not the identity."""
+    drop1_is_identity = isinstance(mlp.drop1, nn.Identity) or (isinstance(mlp.drop1, nn.Dropout) and not mlp.drop1.p)
+    if (torch.compiler.is_compiling() or not isinstance(mlp.act, nn.GELU) or type(mlp.fc2) is not nn.Linear
+            or not drop1_is_identity or not isinstance(mlp.norm, nn.Identity)):
         return None
-    return _GeluLinear.apply(hidden, fc2.weight, fc2.bias, act.approximate)
+    return mlp.drop2(_GeluLinear.apply(hidden, mlp.fc2.weight, mlp.fc2.bias, mlp.act.approximate))
 
 
 def check_images(x: torch.Tensor, in_chans: int, img_size: tuple[int, int], patch_size: tuple[int, int],
@@ -353,13 +355,8 @@ class SwinTransformerBlock(nn.Module):
             # Keep only fc1's output for backward and recompute GELU from it, instead of keeping both: the
             # GELU output (4C per token, fc2's input) is the largest activation a block holds, and
             # recomputing it is one pointwise op (fused into GELU's backward under torch.compile).
-            mlp = self.mlp
-            if isinstance(mlp.drop1, nn.Identity | nn.Dropout) and not getattr(mlp.drop1, "p", 0.0) \
-                    and isinstance(mlp.norm, nn.Identity):
-                out = gelu_fc2(hidden, mlp.act, mlp.fc2)
-                if out is not None:
-                    return mlp.drop2(out)
-            return checkpoint(self._mlp_tail, hidden, use_reentrant=False)
+            out = mlp_tail_recomputing_gelu(self.mlp, hidden)  # eager mode
+            return checkpoint(self._mlp_tail, hidden, use_reentrant=False) if out is None else out
         return self._mlp_tail(hidden)
 
     def _mlp_tail(self, hidden: torch.Tensor) -> torch.Tensor:
