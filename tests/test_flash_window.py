@@ -274,6 +274,8 @@ def test_window_op_half_bias_tiles(window, shift, monkeypatch):
     math."""
     _knob(monkeypatch, "HALF_BIAS", None)
     check_window_op(1, (2, 2), window, shift, 2, 16, torch.float16)
+    if window != (7, 7):
+        return  # the knob's effect once, at the quicker window
     q, k, v, table = make_inputs(1, (2, 2), window, 2, 16, torch.float16, DEVICE)
     half = run_window_op(q, k, v, table, window, shift, (2, 2), 0.25)
     _knob(monkeypatch, "HALF_BIAS", "0")
