@@ -13,9 +13,11 @@ import torch.nn as nn
 # Inductor options on top of the compile mode's where the step is bound by its launches: inference (eval.py), and
 # training without CUDA graphs (the default mode launches every kernel from the host). combo_kernels fuses
 # independent small kernels side by side (autocast's casts of the weights and biases among them), so fewer
-# launches. A training step replayed as CUDA graphs is not given them: at Swin-T 224 batch 128 they slowed its GPU
-# work down (docs/performance.md).
-LAUNCH_BOUND_OPTIONS: Mapping[str, object] = types.MappingProxyType({"combo_kernels": True})
+# launches; combo_kernel_per_subkernel_blocks gives each of them its own block sizes, without which the combined
+# kernels cost the training step GPU time. A training step replayed as CUDA graphs is not given them: it launches
+# nothing from the host (docs/performance.md).
+LAUNCH_BOUND_OPTIONS: Mapping[str, object] = types.MappingProxyType(
+    {"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True})
 
 
 @functools.cache
@@ -54,7 +56,7 @@ def inductor_options(mode: str | None = "default", dynamic: bool | None = None,
         raise ValueError(f"torch.compile mode {mode!r}: {e}") from None
     ours = {} if training and options.get("triton.cudagraphs") else dict(LAUNCH_BOUND_OPTIONS)
     if "combo_kernels" in ours and dynamic is True and not combo_kernels_take_dynamic_reductions():
-        ours.pop("combo_kernels")
+        ours = {k: v for k, v in ours.items() if not k.startswith("combo_kernel")}
     overrides = flat_options(overrides or {})
     if unknown := sorted(set(overrides) - set(torch._inductor.config.get_config_copy())):
         raise ValueError(f"inductor option(s) {unknown} unknown to torch {torch.__version__}: use names of "
