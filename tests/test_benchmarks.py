@@ -208,7 +208,9 @@ def test_grid_rows_take_inductor_options(monkeypatch):
     data = (torch.randn(2, 3, side, side), torch.zeros(2, dtype=torch.long))
     steps = bench.build_row(tuned, name, arch, cfg, torch.device("cpu"), data)
     train = {"triton.cudagraphs": True, "triton.mix_order_reduction": False}
-    infer = {"triton.cudagraphs": True, "combo_kernels": True, "triton.mix_order_reduction": False}
+    from swin.models.compiling import LAUNCH_BOUND_OPTIONS  # ours for inference (combo kernels)
+
+    infer = {"triton.cudagraphs": True, **LAUNCH_BOUND_OPTIONS, "triton.mix_order_reduction": False}
     assert compiled_with == [{"dynamic": False, "fullgraph": False, "options": infer},
                              {"dynamic": False, "fullgraph": False, "options": train}]
     assert steps.info["infer_inductor_options"] == infer and steps.info["train_inductor_options"] == train
