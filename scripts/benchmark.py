@@ -56,9 +56,13 @@ their plain sum); GPU busy time well below the step time means the step is host-
 no kernels: both are None (``-`` in the table). With ``profile.top_kernels > 0``, profile.md lists the top
 kernels with their categories and the host op each was launched from (``kernel_launchers``) too.
 
-With ``steps.interleave=true`` (``grid=eager``) the eager rows of each batch size and precision are then timed again
-in turn, repeat by repeat (``interleave_rows``), and their img/s is that run's; peak memory and host cost stay the
-rows' own.
+With ``steps.interleave=true`` (``grid=eager`` sets it) the rows of each batch size and precision, eager and
+compiled, are then timed again in turn, repeat by repeat (``interleave_rows``), and their img/s is that run's; peak
+memory, host cost and the profile stay the rows' own. That compares rows whose steps are bound by the host
+(eager, and the default compile mode) on the same host minutes, e.g. two sets of inductor options:
+
+    python scripts/benchmark.py grid=compiled steps.interleave=true profile.enabled=true \
+      'grid.rows=[{impl:ours,attention:flash_window,compile:[true]},{impl:ours,attention:flash_window,compile:[true],inductor:{combo_kernels:false}},{impl:timm,attention:sdpa_no_cudnn,compile:[true]}]'
 
 Eager rows on CUDA (``grid=eager``) also report their host cost (``host_times``): CPU time to enqueue one inference
 forward and one call of the first stage's shifted block, with the GPU kept busy so that no wait is counted
@@ -153,7 +157,7 @@ class BenchStepsConfig:
     warmup: int = MISSING
     timed: int = MISSING
     repeats: int = MISSING
-    # eager rows of one batch size and precision timed again in turn (interleave_rows); grid=eager sets it
+    # the rows of one batch size and precision timed again in turn (interleave_rows); grid=eager sets it
     interleave: bool = False
 
 
@@ -831,38 +835,51 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
 
 def interleave_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str, arch: dict[str, Any],
                     cfg: DictConfig, device: torch.device, data: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Times the eager rows of each batch size and precision again, in turn: every repeat runs each row's
-    ``timed`` steps, the rows in an order rotated by one per repeat, and a row's img/s becomes the median of its
-    repeats (the one-row-after-another figure stays as ``*_img_s_sequential``). Why: an eager step runs at the
-    host's pace, and a host whose speed drifts over minutes favours whichever row ran in its faster minutes; in
-    turn, every row meets the same drift. Peak memory and the host tables keep the rows' own runs."""
+    """Times the rows of each batch size and precision again, in turn: every repeat runs each row's ``timed``
+    steps, the rows in an order rotated by one per repeat, and a row's img/s becomes the median of its repeats (the
+    one-row-after-another figure stays as ``*_img_s_sequential``). Why: a step bound by the host (eager, or the
+    default compile mode) runs at the host's pace, and a host whose speed drifts over minutes favours whichever row
+    ran in its faster minutes; in turn, every row meets the same drift. The rows are built again, all at once
+    (compiled rows compile again, mostly from inductor's caches), with dynamo's recompile limit raised for them:
+    their models share one forward. Peak memory, the host tables and the profiles keep the rows' own runs."""
     groups: dict[tuple[int, str], list[tuple[RowSpec, dict[str, Any]]]] = {}
     for spec, row in zip(specs, rows, strict=True):  # main writes one row per spec, in order
-        if not spec.compile and "error" not in row and "skipped" not in row:
+        if "error" not in row and "skipped" not in row:
             groups.setdefault((spec.batch_size, spec.precision), []).append((spec, row))
     steps = cfg.steps
     for (batch, _), group in groups.items():
         if len(group) < 2:
             continue
-        built = [build_row(spec, name, arch, cfg, device, data) for spec, _ in group]
-        for mode in ("infer", "train"):
-            for (spec, _), b in zip(group, built):
-                b.model.train(mode == "train")
-                with sdpa_backends(spec):
-                    for _ in range(steps.warmup):
-                        getattr(b, mode)()
-            _sync(device)
-            rates: list[list[float]] = [[] for _ in group]
-            for repeat in range(steps.repeats):
-                for k in range(len(group)):
-                    i = (k + repeat) % len(group)
-                    with sdpa_backends(group[i][0]):
-                        rates[i].append(_images_per_s(getattr(built[i], mode), batch, device, steps.timed))
-            for (_, row), row_rates in zip(group, rates):
-                row[f"{mode}_img_s_sequential"] = row[f"{mode}_img_s"]
-                row.update({f"{mode}_{k}": v for k, v in _rates_result(row_rates, batch).items()})
+        with _recompile_limit(16 * len(group)):
+            built = [build_row(spec, name, arch, cfg, device, data) for spec, _ in group]
+            for mode in ("infer", "train"):
+                for (spec, _), b in zip(group, built):
+                    b.model.train(mode == "train")
+                    with sdpa_backends(spec):
+                        for _ in range(steps.warmup):
+                            getattr(b, mode)()
+                _sync(device)
+                rates: list[list[float]] = [[] for _ in group]
+                for repeat in range(steps.repeats):
+                    for k in range(len(group)):
+                        i = (k + repeat) % len(group)
+                        with sdpa_backends(group[i][0]):
+                            rates[i].append(_images_per_s(getattr(built[i], mode), batch, device, steps.timed))
+                for (_, row), row_rates in zip(group, rates):
+                    row[f"{mode}_img_s_sequential"] = row[f"{mode}_img_s"]
+                    row.update({f"{mode}_{k}": v for k, v in _rates_result(row_rates, batch).items()})
         del built
         _free(device)
+
+
+@contextlib.contextmanager
+def _recompile_limit(limit: int) -> Iterator[None]:
+    """torch._dynamo's limit of compiled versions per code object, at least `limit` (the name changed in torch 2.7:
+    recompile_limit, formerly cache_size_limit)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    with config.patch({name: max(limit, getattr(config, name))}):
+        yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1086,7 +1103,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         write_outputs(out_dir, result, report_tables(rows, cfg.profile.enabled))  # partial results survive
 
     if cfg.steps.interleave and not (cfg.time_budget_s and time.perf_counter() - started > cfg.time_budget_s):
-        print("timing the eager rows again, in turn", flush=True)
+        print("timing the rows again, in turn", flush=True)
         try:
             interleave_rows(specs, rows, name, arch, cfg, device, (x, y))
         except Exception as e:  # e.g. out of memory with several rows' models at once: the sequential figures stay

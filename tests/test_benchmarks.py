@@ -106,6 +106,49 @@ def test_benchmark_times_eager_rows_again_in_turn(tmp_path):
     ours, theirs = result["rows"]
     assert ours["train_speedup_vs_best_timm"] == ours["train_img_s"] / theirs["train_img_s"]
 
+def test_compiled_rows_are_timed_in_turn_too(monkeypatch):
+    """steps.interleave times compiled rows in turn with the others of their batch size and precision (each row
+    built again, compiled as in its own run, under a raised recompile limit); rows of another batch size, and rows
+    that failed or were skipped, keep their own figures."""
+    from hydra import compose, initialize_config_dir
+
+    import scripts.benchmark as bench
+
+    rows = "[{impl:ours,attention:sdpa,compile:[true,false]},{impl:timm,attention:math,compile:[true]}]"
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("benchmark", overrides=["model=swin_micro", "device=cpu", f"grid.rows={rows}",
+                                              "grid.batch_size=[2,3]", "grid.precision=[fp32]", "steps.warmup=1",
+                                              "steps.timed=1", "steps.repeats=3", "steps.interleave=true"])
+    specs = bench.expand_grid(cfg.grid)
+    compiled = []
+
+    def fake_compile(model, **kwargs):  # the model itself: the row is timed in eager mode, as it was compiled
+        compiled.append(torch._dynamo.config.recompile_limit)
+        return model
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    name, arch = bench.architecture(cfg.model)
+    side = arch["img_size"]
+    data = (torch.randn(3, 3, side, side), torch.randint(0, 10, (3,)))
+    own = [{"infer_img_s": 1.0, "train_img_s": 1.0} for _ in specs]
+    failed = next(i for i, s in enumerate(specs) if s.batch_size == 3 and s.impl == "timm")
+    own[failed] = {"error": "RuntimeError: out of memory"}
+    limit = torch._dynamo.config.recompile_limit
+    bench.interleave_rows(specs, own, name, arch, cfg, torch.device("cpu"), data)
+    for spec, row in zip(specs, own, strict=True):
+        if spec.batch_size == 3 and spec.impl == "timm":
+            assert row == {"error": "RuntimeError: out of memory"}
+            continue
+        for mode in ("infer", "train"):
+            assert row[f"{mode}_img_s_sequential"] == 1.0, (spec.label, row)
+            assert len(row[f"{mode}_repeats_img_s"]) == 3 and all(positive(v) for v in row[f"{mode}_repeats_img_s"])
+            assert row[f"{mode}_img_s"] == statistics.median(row[f"{mode}_repeats_img_s"]) != 1.0
+    # ours compiles its inference and its training step, timm one model: 2 + 1 compiled rows at each batch size but
+    # the second, whose timm row failed
+    assert len(compiled) == 2 * 2 + 1 and min(compiled) >= 16 * 2
+    assert torch._dynamo.config.recompile_limit == limit  # restored
+
+
 def test_benchmark_swinv2_rows_against_timm_v2(tmp_path):
     """A Swin V2 name benchmarks ours against timm's SwinTransformerV2 (swinv2_micro: timm's class with our config);
     timm's V2 has no SDPA path, so that row is skipped with the reason, and ours is compared with timm's math row."""
