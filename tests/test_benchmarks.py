@@ -106,6 +106,7 @@ def test_benchmark_times_eager_rows_again_in_turn(tmp_path):
     ours, theirs = result["rows"]
     assert ours["train_speedup_vs_best_timm"] == ours["train_img_s"] / theirs["train_img_s"]
 
+
 def test_compiled_rows_are_timed_in_turn_too(monkeypatch):
     """steps.interleave times compiled rows in turn with the others of their batch size and precision (each row
     built again, compiled as in its own run, under a raised recompile limit); rows of another batch size, and rows
