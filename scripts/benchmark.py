@@ -846,25 +846,15 @@ def interleave_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str,
     for spec, row in zip(specs, rows, strict=True):  # main writes one row per spec, in order
         if "error" not in row and "skipped" not in row:
             groups.setdefault((spec.batch_size, spec.precision), []).append((spec, row))
-    steps = cfg.steps
     for (batch, _), group in groups.items():
         if len(group) < 2:
             continue
-        with _recompile_limit(16 * len(group)):
+        # every row compiles its own versions of the one forward (inference and training, each maybe in parts)
+        limit = max(16 * len(group), torch._dynamo.config.recompile_limit)
+        with torch._dynamo.config.patch(recompile_limit=limit):
             built = [build_row(spec, name, arch, cfg, device, data) for spec, _ in group]
             for mode in ("infer", "train"):
-                for (spec, _), b in zip(group, built):
-                    b.model.train(mode == "train")
-                    with sdpa_backends(spec):
-                        for _ in range(steps.warmup):
-                            getattr(b, mode)()
-                _sync(device)
-                rates: list[list[float]] = [[] for _ in group]
-                for repeat in range(steps.repeats):
-                    for k in range(len(group)):
-                        i = (k + repeat) % len(group)
-                        with sdpa_backends(group[i][0]):
-                            rates[i].append(_images_per_s(getattr(built[i], mode), batch, device, steps.timed))
+                rates = _rates_in_turn([spec for spec, _ in group], built, mode, batch, cfg.steps, device)
                 for (_, row), row_rates in zip(group, rates):
                     row[f"{mode}_img_s_sequential"] = row[f"{mode}_img_s"]
                     row.update({f"{mode}_{k}": v for k, v in _rates_result(row_rates, batch).items()})
@@ -872,14 +862,22 @@ def interleave_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str,
         _free(device)
 
 
-@contextlib.contextmanager
-def _recompile_limit(limit: int) -> Iterator[None]:
-    """torch._dynamo's limit of compiled versions per code object, at least `limit` (the name changed in torch 2.7:
-    recompile_limit, formerly cache_size_limit)."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    with config.patch({name: max(limit, getattr(config, name))}):
-        yield
+def _rates_in_turn(specs: list[RowSpec], built: list[RowSteps], mode: str, batch: int, steps: DictConfig,
+                   device: torch.device) -> list[list[float]]:
+    """Each row's ``mode`` step ("infer" or "train") warmed up, then img/s per repeat, the rows in turn."""
+    for spec, b in zip(specs, built):
+        b.model.train(mode == "train")
+        with sdpa_backends(spec):
+            for _ in range(steps.warmup):
+                getattr(b, mode)()
+    _sync(device)
+    rates: list[list[float]] = [[] for _ in built]
+    for repeat in range(steps.repeats):
+        for k in range(len(built)):
+            i = (k + repeat) % len(built)
+            with sdpa_backends(specs[i]):
+                rates[i].append(_images_per_s(getattr(built[i], mode), batch, device, steps.timed))
+    return rates
 
 
 # ---------------------------------------------------------------------------------------------
