@@ -51,3 +51,24 @@ def test_fp8_is_one_line_where_it_cannot_run():
         resolve_amp("fp8", torch.device("cpu"))
     with autocast(torch.device("cpu"), "fp8"):
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+
+
+def test_fp8_linear_bench_finds_the_layers_as_they_run():
+    from scripts.bench_fp8_linear import linear_shapes, main, totals
+
+    model = swin.create_model("swin_micro", attention="sdpa")
+    shapes = linear_shapes(model, model.img_size)
+    # independently, from swin_micro's config (16 px, patch 2, embed 32, depths (2, 2), MLP ratio 4, 10 classes):
+    # stage 1 sees 8 x 8 tokens of 32 channels, the merge 4 x 4 tokens of 4 x 32, stage 2 4 x 4 of 64, the head one
+    expected = {(64, 32, 96): 2, (64, 32, 32): 2, (64, 32, 128): 2, (64, 128, 32): 2, (16, 128, 64): 1,
+                (16, 64, 192): 2, (16, 64, 64): 2, (16, 64, 256): 2, (16, 256, 64): 2, (1, 64, 10): 1}
+    assert {(s.tokens, s.in_features, s.out_features): len(s.layers) for s in shapes} == expected
+    assert sum(len(s.layers) for s in shapes) == sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert next(s for s in shapes if s.out_features == 10).layers == ["head.fc"]
+    # the model's time per recipe: every layer of a shape counted; FP8 where fp8_pays, or where it was faster
+    results = [{"layers": ["a", "b"], "fp8_pays": True, "bf16_ms": 1.0, "rowwise_ms": 1.5},
+               {"layers": ["c"], "fp8_pays": False, "bf16_ms": 2.0, "rowwise_ms": 0.5}]
+    assert totals(results, "rowwise") == {"bf16": 4.0, "fp8_pays": 5.0, "where_faster": 2.5}
+    assert main(["--model", "swin_micro", "--list"]) == 0
+    if fp8_problem(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+        assert main(["--model", "swin_micro"]) == 2  # one line, no traceback, where FP8 cannot run
