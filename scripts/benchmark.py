@@ -124,7 +124,7 @@ import swin  # noqa: E402
 import swin.config  # noqa: E402, F401  (registers the config schemas before Hydra composes)
 from scripts.bench_attention import host_us  # noqa: E402  (the same queued host timing)
 from swin.config import ModelConfig  # noqa: E402
-from swin.models.compiling import flat_options, inductor_options  # noqa: E402
+from swin.models.compiling import check_memory_budget, flat_options, inductor_options  # noqa: E402
 from swin.models.swin_transformer import SwinTransformerBlock, WindowAttentionBase  # noqa: E402
 from swin.precision import fp8_linears, fp8_problem  # noqa: E402
 from swin.train.distributed import pick_device  # noqa: E402
@@ -143,6 +143,8 @@ class GridRow:
     # ours, compiled: inductor options over swin.compile_model's, e.g. {combo_kernels: true} or
     # {triton: {mix_order_reduction: false}} (nested keys join with dots, as inductor names them)
     inductor: dict[str, Any] | None = None
+    # ours, compiled: the training compile's activation memory budget (swin.compile_model's memory_budget)
+    memory_budget: float | None = None
 
 
 @dataclass
@@ -217,13 +219,16 @@ class RowSpec:
     fused_mlp_act: bool | None = None
     # ours, compiled: inductor options over swin.compile_model's, sorted (name, value) pairs (a row's inductor: dict)
     inductor: tuple[tuple[str, Any], ...] = ()
+    memory_budget: float | None = None  # ours, compiled: the training compile's (swin.compile_model); None: torch's
 
     @property
     def label(self) -> str:
         mode = f"({self.compile_mode})" if self.compile and self.compile_mode else ""
         fused = " -fused_gelu" if self.impl == "ours" and self.fused_mlp_act is False else ""
         return (f"{self.impl}{fused} {self.attention}{' +compile' if self.compile else ''}{mode}"
-                f"{inductor_label(self.inductor) if self.compile else ''} b{self.batch_size} {self.precision}")
+                f"{inductor_label(self.inductor) if self.compile else ''}"
+                f"{f' +memory_budget={self.memory_budget}' if self.compile and self.memory_budget else ''}"
+                f" b{self.batch_size} {self.precision}")
 
 
 def inductor_label(inductor: Iterable[Iterable[Any]]) -> str:
@@ -258,6 +263,11 @@ def expand_grid(grid: DictConfig, fused_mlp_act: bool = True) -> list[RowSpec]:
             raise ValueError("grid row inductor (options over swin.compile_model's) is a setting of ours; timm's "
                              "rows compile with torch.compile as its users do")
         inductor = tuple(sorted(flat_options(OmegaConf.to_container(inductor)).items())) if inductor else ()
+        budget = entry.get("memory_budget")
+        if budget is not None and impl != "ours":
+            raise ValueError("grid row memory_budget (swin.compile_model's) is a setting of ours; timm's rows compile "
+                             "with torch.compile as its users do")
+        check_memory_budget(budget, "grid row memory_budget")
         for compiled in _as_list(entry.get("compile", [False])):
             for batch in _as_list(grid.batch_size):
                 for precision in _as_list(grid.precision):
@@ -265,7 +275,8 @@ def expand_grid(grid: DictConfig, fused_mlp_act: bool = True) -> list[RowSpec]:
                         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
                     mode = entry.get("compile_mode")
                     specs.append(RowSpec(impl, attention, bool(compiled), int(batch), str(precision),
-                                         None if mode is None else str(mode), fused, inductor))
+                                         None if mode is None else str(mode), fused, inductor,
+                                         None if budget is None else float(budget)))
     return specs
 
 
@@ -763,8 +774,10 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
         inductor = dict(spec.inductor)
         row["infer_inductor_options"] = inductor_options(mode, False, inductor, training=False)
         row["train_inductor_options"] = inductor_options(mode, False, inductor, training=True)
+        row["train_memory_budget"] = spec.memory_budget
         infer_run = swin.compile_model(model, mode, dynamic=False, overrides=inductor, training=False)
-        train_run = swin.compile_model(model, mode, dynamic=False, overrides=inductor, training=True)
+        train_run = swin.compile_model(model, mode, dynamic=False, overrides=inductor, training=True,
+                                       memory_budget=spec.memory_budget)
     elif spec.compile:
         infer_run = train_run = torch.compile(model, mode=mode, dynamic=False)
     x_all, y_all = data

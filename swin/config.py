@@ -169,6 +169,9 @@ class TrainConfig:
                             "reduce-overhead | max-autotune | max-autotune-no-cudagraphs")
     compile_options: dict[str, Any] = key("inductor options over swin.compile_model's (the mode's), by "
                                           "torch._inductor.config name, e.g. {combo_kernels: true}")
+    memory_budget: float | None = key("compiled training: the fraction in (0, 1] of the activations torch.compile "
+                                      "saves for the backward (below 1: cheap ops recomputed instead); null: "
+                                      "torch's default (1)")
     grad_checkpointing: bool = key("recompute blocks in the backward: less memory, slower")
     ema: bool = key("keep an exponential moving average of the weights (evaluated, kept as best.pt)")
     ema_decay: float = key("EMA decay per update")

@@ -101,3 +101,64 @@ def test_unknown_compile_option_is_one_config_error():
     cfg = make_cfg("+train.compile_options.combo_kernel=false")
     with pytest.raises(ConfigError, match=r"train.compile_options: inductor option\(s\) \['combo_kernel'\] unknown"):
         check_config(cfg, 1, torch.device("cpu"))
+
+
+def _saved_bytes_and_grads(model: torch.nn.Module, compiled: torch.nn.Module, x: torch.Tensor):
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(x)
+    out.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return sum(saved), grads
+
+
+def test_memory_budget_saves_less_for_the_backward_with_the_same_gradients():
+    """memory_budget below 1: the partitioner recomputes cheap ops (the norm, GELU) instead of saving them; the
+    budget belongs to that compiled model (the process-wide setting is untouched); gradients equal eager's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.LayerNorm(256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 64))
+    x = torch.randn(512, 64, requires_grad=False)
+    _, eager_grads = _saved_bytes_and_grads(model, model, x)
+    default_bytes, default_grads = _saved_bytes_and_grads(model, swin.compile_model(model, dynamic=False), x)
+    budget_bytes, budget_grads = _saved_bytes_and_grads(
+        model, swin.compile_model(model, dynamic=False, memory_budget=0.3), x)
+    assert torch._functorch.config.activation_memory_budget == 1.0
+    assert budget_bytes < 0.8 * default_bytes, (budget_bytes, default_bytes)
+    for eager, default, budget in zip(eager_grads, default_grads, budget_grads, strict=True):
+        torch.testing.assert_close(default, eager, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(budget, eager, rtol=1e-4, atol=1e-6)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("budget", [0, -0.5, 1.5, "half"])
+def test_a_bad_memory_budget_is_one_line(budget):
+    with pytest.raises(ValueError, match=r"^memory_budget=.*: use a fraction in \(0, 1\]"):
+        swin.compile_model(torch.nn.Linear(4, 4), memory_budget=budget)
+
+
+def test_train_setup_passes_its_memory_budget(compile_calls, tmp_path):
+    from _train_utils import DET, make_cfg
+
+    from swin.config import ConfigError, to_settings
+    from swin.models.compiling import _InductorWithMemoryBudget
+    from swin.train.checks import check_config
+    from swin.train.distributed import DistInfo
+    from swin.train.setup import setup
+
+    cfg = make_cfg(*DET, "device=cpu", "train.compile=true", "train.compile_mode=reduce-overhead",
+                   "train.memory_budget=0.6")
+    run = setup(to_settings(cfg), tmp_path, DistInfo(0, 0, 1, torch.device("cpu")))
+    (kwargs,) = compile_calls
+    backend = kwargs["backend"]
+    assert isinstance(backend, _InductorWithMemoryBudget) and backend.budget == 0.6
+    assert backend.config == {"triton.cudagraphs": True}  # the mode's options, as without a budget
+    assert run.fwd_model._orig_mod is run.raw_model
+    with pytest.raises(ConfigError, match=r"^train.memory_budget=1.5: use a fraction in \(0, 1\]"):
+        check_config(make_cfg("train.memory_budget=1.5"), 1, torch.device("cpu"))

@@ -64,14 +64,47 @@ def inductor_options(mode: str | None = "default", dynamic: bool | None = None,
     return {**options, **ours, **overrides}
 
 
+def check_memory_budget(budget: float | None, key: str = "memory_budget") -> None:
+    """ValueError, naming ``key`` and what is allowed, unless budget is None or in (0, 1]."""
+    if budget is not None and not (isinstance(budget, (int, float)) and 0 < budget <= 1):
+        raise ValueError(f"{key}={budget!r}: use a fraction in (0, 1] (1: torch's default), or null for the default")
+
+
+class _InductorWithMemoryBudget(torch._TorchCompileInductorWrapper):
+    """torch.compile's inductor backend whose training graphs are split into forward and backward under an
+    activation memory budget (``torch._functorch.config.activation_memory_budget``, read when AOTAutograd
+    partitions a graph, which happens inside the backend call): bound to this compiled model, not set for the
+    whole process."""
+
+    def __init__(self, options: dict[str, object], dynamic: bool | None, budget: float):
+        super().__init__(None, options, dynamic)
+        self.budget = budget
+
+    def __eq__(self, other: object) -> bool:
+        return super().__eq__(other) and getattr(other, "budget", None) == self.budget
+
+    __hash__ = None
+
+    def __call__(self, graph, example_inputs):
+        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+            return super().__call__(graph, example_inputs)
+
+
 def compile_model(model: nn.Module, mode: str | None = "default", dynamic: bool | None = None,
                   fullgraph: bool = False, overrides: Mapping[str, object] | None = None,
-                  training: bool = True) -> nn.Module:
+                  training: bool = True, memory_budget: float | None = None) -> nn.Module:
     """``torch.compile(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph)`` with :func:`inductor_options`.
 
     torch.compile takes a mode or options, not both: the mode is expanded into its options and ours are added.
     mode: a torch.compile mode (``default``, ``reduce-overhead``, ``max-autotune``, ...; None: ``default``).
     overrides: inductor options that replace ours or the mode's (inductor_options). training: False for a model
-    that only runs inference (eval.py); our options depend on it (inductor_options)."""
+    that only runs inference (eval.py); our options depend on it (inductor_options). memory_budget: None (torch's
+    default), or a fraction in (0, 1] of the activations the default partition saves for the backward: below 1
+    the partitioner recomputes cheap ops in the backward instead of saving their outputs (less memory, some
+    recompute); ValueError outside (0, 1]."""
+    options = inductor_options(mode, dynamic, overrides, training)
+    if memory_budget is None:
+        return torch.compile(model, dynamic=dynamic, fullgraph=fullgraph, options=options)
+    check_memory_budget(memory_budget)
     return torch.compile(model, dynamic=dynamic, fullgraph=fullgraph,
-                         options=inductor_options(mode, dynamic, overrides, training))
+                         backend=_InductorWithMemoryBudget(options, dynamic, float(memory_budget)))

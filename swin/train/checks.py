@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from swin.config import ConfigError, ModelConfig, TrainAppConfig, to_settings
 from swin.data.datasets import check_decode
 from swin.models.attention import check_backend
-from swin.models.compiling import inductor_options
+from swin.models.compiling import check_memory_budget, inductor_options
 from swin.models.registry import MODEL_CONFIGS, architecture, config_overrides
 from swin.precision import TRAIN_AMP_CHOICES, fp8_problem
 
@@ -128,6 +128,10 @@ def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torc
         inductor_options(overrides=t.compile_options)
     except ValueError as e:
         raise ConfigError(f"train.compile_options: {e}") from None
+    try:
+        check_memory_budget(t.memory_budget, "train.memory_budget")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if t.amp not in TRAIN_AMP_CHOICES:
         raise ConfigError(f"train.amp={t.amp!r}: use auto, bf16, fp16, fp32 or fp8")
     if t.amp == "fp8" and (problem := fp8_problem(device, "train.amp")):

@@ -153,7 +153,8 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
     criterion, mixup = _build_criterion(t, num_classes)
     ema = ModelEmaV3(raw_model, decay=t.ema_decay) if t.ema else None
     mode = compile_mode(t.compile, t.compile_mode, device, t.accum_steps)
-    fwd_model: nn.Module = compile_model(raw_model, mode, overrides=t.compile_options) if mode else raw_model
+    fwd_model: nn.Module = (compile_model(raw_model, mode, overrides=t.compile_options, memory_budget=t.memory_budget)
+                            if mode else raw_model)
     why = " (train.compile=auto compiles on CUDA only)" if t.compile == "auto" else ""
     log.info(f"torch.compile: {mode} mode (compiles during the first update)" if mode else f"torch.compile: off{why}")
     # the model's buffers are constants (position indices, shift masks): broadcasting them every forward, DDP's
