@@ -137,7 +137,7 @@ def test_memory_budget_saves_less_for_the_backward_with_the_same_gradients():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("budget", [0, -0.5, 1.5, "half"])
+@pytest.mark.parametrize("budget", [0, -0.5, 1.5, "half", True])
 def test_a_bad_memory_budget_is_one_line(budget):
     with pytest.raises(ValueError, match=r"^memory_budget=.*: use a fraction in \(0, 1\]"):
         swin.compile_model(torch.nn.Linear(4, 4), memory_budget=budget)

@@ -66,7 +66,7 @@ def inductor_options(mode: str | None = "default", dynamic: bool | None = None,
 
 def check_memory_budget(budget: float | None, key: str = "memory_budget") -> None:
     """ValueError, naming ``key`` and what is allowed, unless budget is None or in (0, 1]."""
-    if budget is not None and not (isinstance(budget, (int, float)) and 0 < budget <= 1):
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1):
         raise ValueError(f"{key}={budget!r}: use a fraction in (0, 1] (1: torch's default), or null for the default")
 
 
