@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,9 +30,8 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import swin  # noqa: E402
+from scripts.bench_attention import median_ms  # noqa: E402  (CUDA events, each call queued behind a GPU sleep)
 from swin.precision import fp8_pays, fp8_problem  # noqa: E402
-
-SLEEP_CYCLES = 20_000_000  # a GPU sleep longer than one compiled forward+backward's enqueueing
 
 
 @dataclass
@@ -68,21 +66,6 @@ def linear_shapes(model: nn.Module, img_size: tuple[int, int]) -> list[LinearSha
     return list(shapes.values())
 
 
-def gpu_ms(step: Callable[[], object], warmup: int, reps: int) -> float:
-    """Median GPU time of one ``step()``: each call queued behind a GPU sleep, timed by CUDA events."""
-    for _ in range(warmup):
-        step()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for start, end in zip(starts, ends):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        start.record()
-        step()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-
-
 def linear_step(shape: LinearShape, batch: int, recipe: str | None, device: torch.device) -> Callable[[], None]:
     """forward+backward of one compiled layer of ``shape`` under bf16 autocast (bf16 input and output gradient,
     fp32 parameters, as in training): nn.Linear for recipe None, else Float8Linear with that torchao recipe."""
@@ -113,9 +96,9 @@ def measure(shapes: list[LinearShape], batch: int, recipes: list[str], warmup: i
     results = []
     for shape in shapes:
         row = {**asdict(shape), "fp8_pays": fp8_pays(shape.in_features, shape.out_features)}
-        row["bf16_ms"] = gpu_ms(linear_step(shape, batch, None, device), warmup, reps)
+        row["bf16_ms"] = median_ms(linear_step(shape, batch, None, device), device, warmup, reps, flush=False)
         for recipe in recipes:
-            ms = gpu_ms(linear_step(shape, batch, recipe, device), warmup, reps)
+            ms = median_ms(linear_step(shape, batch, recipe, device), device, warmup, reps, flush=False)
             row[f"{recipe}_ms"], row[f"{recipe}_speedup"] = ms, row["bf16_ms"] / ms
         results.append(row)
         torch._dynamo.reset()

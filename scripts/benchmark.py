@@ -258,15 +258,13 @@ def expand_grid(grid: DictConfig, fused_mlp_act: bool = True) -> list[RowSpec]:
             raise ValueError("grid row fused_mlp_act is a setting of ours (swin.create_model), not of timm's model")
         # ours: the row's setting, else the model config's; timm: None (not a setting of its model)
         fused = (fused_mlp_act if fused is None else bool(fused)) if impl == "ours" else None
-        inductor = entry.get("inductor")
-        if inductor is not None and impl != "ours":
-            raise ValueError("grid row inductor (options over swin.compile_model's) is a setting of ours; timm's "
-                             "rows compile with torch.compile as its users do")
+        inductor, budget = entry.get("inductor"), entry.get("memory_budget")
+        for key, value in (("inductor (options over swin.compile_model's)", inductor),
+                           ("memory_budget (swin.compile_model's)", budget)):
+            if value is not None and impl != "ours":
+                raise ValueError(f"grid row {key} is a setting of ours; timm's rows compile with torch.compile as "
+                                 "its users do")
         inductor = tuple(sorted(flat_options(OmegaConf.to_container(inductor)).items())) if inductor else ()
-        budget = entry.get("memory_budget")
-        if budget is not None and impl != "ours":
-            raise ValueError("grid row memory_budget (swin.compile_model's) is a setting of ours; timm's rows compile "
-                             "with torch.compile as its users do")
         check_memory_budget(budget, "grid row memory_budget")
         for compiled in _as_list(entry.get("compile", [False])):
             for batch in _as_list(grid.batch_size):

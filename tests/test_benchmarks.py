@@ -3,7 +3,6 @@
 Not timing assertions: only that every row ran, numbers are positive and finite, and every attention
 backend agrees with the float64 reference. The Triton kernels run in the interpreter (TRITON_INTERPRET=1).
 """
-import contextlib
 import json
 import math
 import os
@@ -274,6 +273,7 @@ def test_grid_rows_take_inductor_options(monkeypatch):
 def test_grid_rows_take_a_memory_budget(monkeypatch):
     """A row's memory_budget reaches the training compile only (swin.compile_model's backend), is recorded and
     labels the row; timm's rows refuse it and a value outside (0, 1] is one ValueError."""
+    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     import scripts.benchmark as bench
@@ -285,11 +285,12 @@ def test_grid_rows_take_a_memory_budget(monkeypatch):
     assert spec.memory_budget == 0.7 and spec.label == "ours sdpa +compile +memory_budget=0.7 b2 fp32"
     compiled_with = []
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compiled_with.append(kwargs) or model)
-    with initialize_micro() as cfg:
-        name, arch = bench.architecture(cfg.model)
-        side = arch["img_size"]
-        data = (torch.randn(2, 3, side, side), torch.zeros(2, dtype=torch.long))
-        steps = bench.build_row(spec, name, arch, cfg, torch.device("cpu"), data)
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("benchmark", overrides=["model=swin_micro", "device=cpu"])
+    name, arch = bench.architecture(cfg.model)
+    side = arch["img_size"]
+    data = (torch.randn(2, 3, side, side), torch.zeros(2, dtype=torch.long))
+    steps = bench.build_row(spec, name, arch, cfg, torch.device("cpu"), data)
     infer, train = compiled_with
     assert "options" in infer and "backend" not in infer
     assert isinstance(train["backend"], _InductorWithMemoryBudget) and train["backend"].budget == 0.7
@@ -298,14 +299,6 @@ def test_grid_rows_take_a_memory_budget(monkeypatch):
                        ({"impl": "ours", "attention": "sdpa", "memory_budget": 2}, r"use a fraction in \(0, 1\]")):
         with pytest.raises(ValueError, match=error):
             bench.expand_grid(OmegaConf.create({"batch_size": [2], "precision": ["fp32"], "rows": [row]}))
-
-
-@contextlib.contextmanager
-def initialize_micro():
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        yield compose("benchmark", overrides=["model=swin_micro", "device=cpu"])
 
 
 @pytest.mark.parametrize("grid", sorted(p.stem for p in (ROOT / "configs/grid").glob("*.yaml")))

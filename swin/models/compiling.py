@@ -83,8 +83,6 @@ class _InductorWithMemoryBudget(torch._TorchCompileInductorWrapper):
     def __eq__(self, other: object) -> bool:
         return super().__eq__(other) and getattr(other, "budget", None) == self.budget
 
-    __hash__ = None
-
     def __call__(self, graph, example_inputs):
         with torch._functorch.config.patch(activation_memory_budget=self.budget):
             return super().__call__(graph, example_inputs)
