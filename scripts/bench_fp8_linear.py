@@ -13,7 +13,8 @@ fp8_pays picks in FP8, and with only the layers FP8 was faster for.
 
 Times are medians of CUDA-event timings of single calls, each queued behind a GPU sleep so that the host's launch
 cost stays out. Standalone layers: in the model, inductor may fuse FP8's scaling and casting with neighbouring ops.
-Exits 2 with one line where FP8 cannot run (no FP8 GPU or no torchao).
+A shape whose features are not multiples of 16 (a 1000-class head) is not timed in FP8: FP8 GEMMs refuse it, so
+it stays in bf16 in every total. Exits 2 with one line where FP8 cannot run (no FP8 GPU or no torchao).
 """
 from __future__ import annotations
 
@@ -66,6 +67,11 @@ def linear_shapes(model: nn.Module, img_size: tuple[int, int]) -> list[LinearSha
     return list(shapes.values())
 
 
+def fp8_can_run(shape: LinearShape) -> bool:
+    """Whether FP8 GEMMs take this shape: both feature counts multiples of 16."""
+    return shape.in_features % 16 == 0 and shape.out_features % 16 == 0
+
+
 def linear_step(shape: LinearShape, batch: int, recipe: str | None, device: torch.device) -> Callable[[], None]:
     """forward+backward of one compiled layer of ``shape`` under bf16 autocast (bf16 input and output gradient,
     fp32 parameters, as in training): nn.Linear for recipe None, else Float8Linear with that torchao recipe."""
@@ -92,12 +98,16 @@ def linear_step(shape: LinearShape, batch: int, recipe: str | None, device: torc
 
 def measure(shapes: list[LinearShape], batch: int, recipes: list[str], warmup: int, reps: int,
             device: torch.device) -> list[dict]:
-    """Per shape: its layers, bf16 ms, each recipe's ms and fp8 / bf16 speed, and what fp8_pays says."""
+    """Per shape: its layers, bf16 ms, each recipe's ms and fp8 / bf16 speed (None where FP8 cannot run the shape),
+    and what fp8_pays says."""
     results = []
     for shape in shapes:
         row = {**asdict(shape), "fp8_pays": fp8_pays(shape.in_features, shape.out_features)}
         row["bf16_ms"] = median_ms(linear_step(shape, batch, None, device), device, warmup, reps, flush=False)
         for recipe in recipes:
+            if not fp8_can_run(shape):
+                row[f"{recipe}_ms"] = row[f"{recipe}_speedup"] = None
+                continue
             ms = median_ms(linear_step(shape, batch, recipe, device), device, warmup, reps, flush=False)
             row[f"{recipe}_ms"], row[f"{recipe}_speedup"] = ms, row["bf16_ms"] / ms
         results.append(row)
@@ -106,12 +116,19 @@ def measure(shapes: list[LinearShape], batch: int, recipes: list[str], warmup: i
 
 
 def totals(results: list[dict], recipe: str) -> dict[str, float]:
-    """The model's linear time per step (ms): all in bf16; fp8_pays's layers in FP8; FP8 only where faster."""
+    """The model's linear time per step (ms): all in bf16; fp8_pays's layers in FP8; FP8 only where faster. A shape
+    FP8 cannot run (its ms None) counts in bf16."""
     def total(fp8: Callable[[dict], bool]) -> float:
-        return sum(len(r["layers"]) * (r[f"{recipe}_ms"] if fp8(r) else r["bf16_ms"]) for r in results)
+        return sum(len(r["layers"]) * (r[f"{recipe}_ms"] if r[f"{recipe}_ms"] is not None and fp8(r)
+                                       else r["bf16_ms"]) for r in results)
 
     return {"bf16": total(lambda r: False), "fp8_pays": total(lambda r: r["fp8_pays"]),
             "where_faster": total(lambda r: r[f"{recipe}_ms"] < r["bf16_ms"])}
+
+
+def _fp8_cell(row: dict, recipe: str) -> str:
+    ms = row[f"{recipe}_ms"]
+    return "not a multiple of 16" if ms is None else f"{ms:.3f} ({row[f'{recipe}_speedup']:.2f})"
 
 
 def _layer_names(layers: list[str]) -> str:
@@ -124,7 +141,7 @@ def table(results: list[dict], batch: int, recipes: list[str]) -> str:
     for r in results:
         cells = [_layer_names(r["layers"]), f"{batch * r['tokens']:,}", str(r["in_features"]),
                  str(r["out_features"]), "yes" if r["fp8_pays"] else "no", f"{r['bf16_ms']:.3f}",
-                 *(f"{r[f'{x}_ms']:.3f} ({r[f'{x}_speedup']:.2f})" for x in recipes)]
+                 *(_fp8_cell(r, x) for x in recipes)]
         lines.append("| " + " | ".join(cells) + " |")
     for recipe in recipes:
         t = totals(results, recipe)

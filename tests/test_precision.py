@@ -54,7 +54,7 @@ def test_fp8_is_one_line_where_it_cannot_run():
 
 
 def test_fp8_linear_bench_finds_the_layers_as_they_run():
-    from scripts.bench_fp8_linear import linear_shapes, main, totals
+    from scripts.bench_fp8_linear import fp8_can_run, linear_shapes, main, totals
 
     model = swin.create_model("swin_micro", attention="sdpa")
     shapes = linear_shapes(model, model.img_size)
@@ -67,8 +67,10 @@ def test_fp8_linear_bench_finds_the_layers_as_they_run():
     assert next(s for s in shapes if s.out_features == 10).layers == ["head.fc"]
     # the model's time per recipe: every layer of a shape counted; FP8 where fp8_pays, or where it was faster
     results = [{"layers": ["a", "b"], "fp8_pays": True, "bf16_ms": 1.0, "rowwise_ms": 1.5},
-               {"layers": ["c"], "fp8_pays": False, "bf16_ms": 2.0, "rowwise_ms": 0.5}]
-    assert totals(results, "rowwise") == {"bf16": 4.0, "fp8_pays": 5.0, "where_faster": 2.5}
+               {"layers": ["c"], "fp8_pays": False, "bf16_ms": 2.0, "rowwise_ms": 0.5},
+               {"layers": ["head"], "fp8_pays": False, "bf16_ms": 0.25, "rowwise_ms": None}]  # FP8 cannot run it
+    assert totals(results, "rowwise") == {"bf16": 4.25, "fp8_pays": 5.25, "where_faster": 2.75}
+    assert [fp8_can_run(s) for s in shapes if s.out_features in (10, 96)] == [True, False]
     assert main(["--model", "swin_micro", "--list"]) == 0
     if fp8_problem(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
         assert main(["--model", "swin_micro"]) == 2  # one line, no traceback, where FP8 cannot run
