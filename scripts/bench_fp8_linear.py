@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import swin  # noqa: E402
 from scripts.bench_attention import median_ms  # noqa: E402  (CUDA events, each call queued behind a GPU sleep)
-from swin.precision import fp8_pays, fp8_problem  # noqa: E402
+from swin.precision import fp8_gemm_takes, fp8_pays, fp8_problem  # noqa: E402
 
 
 @dataclass
@@ -65,11 +65,6 @@ def linear_shapes(model: nn.Module, img_size: tuple[int, int]) -> list[LinearSha
         for h in hooks:
             h.remove()
     return list(shapes.values())
-
-
-def fp8_can_run(shape: LinearShape) -> bool:
-    """Whether FP8 GEMMs take this shape: both feature counts multiples of 16."""
-    return shape.in_features % 16 == 0 and shape.out_features % 16 == 0
 
 
 def linear_step(shape: LinearShape, batch: int, recipe: str | None, device: torch.device) -> Callable[[], None]:
@@ -105,7 +100,7 @@ def measure(shapes: list[LinearShape], batch: int, recipes: list[str], warmup: i
         row = {**asdict(shape), "fp8_pays": fp8_pays(shape.in_features, shape.out_features)}
         row["bf16_ms"] = median_ms(linear_step(shape, batch, None, device), device, warmup, reps, flush=False)
         for recipe in recipes:
-            if not fp8_can_run(shape):
+            if not fp8_gemm_takes(shape.in_features, shape.out_features):
                 row[f"{recipe}_ms"] = row[f"{recipe}_speedup"] = None
                 continue
             ms = median_ms(linear_step(shape, batch, recipe, device), device, warmup, reps, flush=False)

@@ -47,12 +47,17 @@ def fp8_problem(device: torch.device, key: str = "amp") -> str | None:
     return None
 
 
+def fp8_gemm_takes(in_features: int, out_features: int) -> bool:
+    """Whether FP8 GEMMs (torch._scaled_mm) run a linear layer of these features: both multiples of 16 (a
+    1000-class head is refused)."""
+    return in_features % 16 == 0 and out_features % 16 == 0
+
+
 def fp8_pays(in_features: int, out_features: int) -> bool:
     """Whether a linear layer gains from FP8: torchao's rule for per-tensor scales (below it the scaling and casting
-    around the GEMM cost more than its faster math saves: in_features <= 4096 with out_features <= 1024), and
-    dimensions that are multiples of 16, as FP8 GEMMs need (a 1000-class head is left alone)."""
-    return (in_features % 16 == 0 and out_features % 16 == 0
-            and not (in_features <= 4096 and out_features <= 1024))
+    around the GEMM cost more than its faster math saves: in_features <= 4096 with out_features <= 1024), on a
+    shape FP8 GEMMs take (fp8_gemm_takes)."""
+    return fp8_gemm_takes(in_features, out_features) and not (in_features <= 4096 and out_features <= 1024)
 
 
 def fp8_linears(model: nn.Module) -> list[str]:

@@ -11,7 +11,7 @@ import torch.nn as nn
 from _train_utils import make_cfg
 
 import swin
-from swin.precision import autocast, fp8_linears, fp8_problem, resolve_amp
+from swin.precision import autocast, fp8_gemm_takes, fp8_linears, fp8_problem, resolve_amp
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
 
@@ -54,7 +54,7 @@ def test_fp8_is_one_line_where_it_cannot_run():
 
 
 def test_fp8_linear_bench_finds_the_layers_as_they_run():
-    from scripts.bench_fp8_linear import fp8_can_run, linear_shapes, main, totals
+    from scripts.bench_fp8_linear import linear_shapes, main, totals
 
     model = swin.create_model("swin_micro", attention="sdpa")
     shapes = linear_shapes(model, model.img_size)
@@ -70,7 +70,8 @@ def test_fp8_linear_bench_finds_the_layers_as_they_run():
                {"layers": ["c"], "fp8_pays": False, "bf16_ms": 2.0, "rowwise_ms": 0.5},
                {"layers": ["head"], "fp8_pays": False, "bf16_ms": 0.25, "rowwise_ms": None}]  # FP8 cannot run it
     assert totals(results, "rowwise") == {"bf16": 4.25, "fp8_pays": 5.25, "where_faster": 2.75}
-    assert [fp8_can_run(s) for s in shapes if s.out_features in (10, 96)] == [True, False]
+    takes = [fp8_gemm_takes(s.in_features, s.out_features) for s in shapes if s.out_features in (10, 96)]
+    assert takes == [True, False]  # FP8 GEMMs take 32 -> 96, not the 10-class head
     assert main(["--model", "swin_micro", "--list"]) == 0
     if fp8_problem(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
         assert main(["--model", "swin_micro"]) == 2  # one line, no traceback, where FP8 cannot run
