@@ -199,8 +199,11 @@ class BenchmarkAppConfig:
 
 ConfigStore.instance().store(group="schema", name="benchmark", node=BenchmarkAppConfig)
 
-# fp8: bf16 autocast with the large linear layers in FP8 (swin.precision.fp8_linears, on both sides)
-PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
+# fp8: bf16 autocast with the linear layers where FP8 pays in FP8 (train.amp=fp8; none of Swin's), fp8_all: with
+# every layer FP8 GEMMs take in FP8 (train.fp8_layers=all); swin.precision.fp8_linears, on both sides
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16,
+              "fp8_all": torch.bfloat16}
+FP8_LAYERS = {"fp8": "pays", "fp8_all": "all"}
 # keys of configs/model/*.yaml that describe the architecture (the others: attention, pretrained, ...)
 ARCH_KEYS = ("img_size", "patch_size", "window_size", "embed_dim", "depths", "num_heads", "mlp_ratio",
              "in_chans", "qkv_bias", "drop_path_rate", "num_classes", "pretrained_window_sizes")
@@ -212,7 +215,7 @@ class RowSpec:
     attention: str     # ours: standard | sdpa | flash_window; timm: math | sdpa | sdpa_no_cudnn
     compile: bool
     batch_size: int
-    precision: str     # bf16 | fp16 | fp32 | fp8
+    precision: str     # bf16 | fp16 | fp32 | fp8 | fp8_all
     compile_mode: str | None = None  # this row's torch.compile mode; None: the config's compile_mode
     # ours: fc1 + GELU as one cuBLASLt GEMM (GELU epilogue) in bf16/fp16 inference; None: the model's default (on;
     # timm rows: not theirs)
@@ -754,10 +757,10 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
     torch.manual_seed(cfg.seed)
     row: dict[str, Any] = asdict(spec)
     model = create_model(spec, name, arch, cfg.features_only).to(device)
-    if spec.precision == "fp8":
+    if spec.precision in FP8_LAYERS:
         if problem := fp8_problem(device):
             raise RuntimeError(problem)
-        row["fp8_layers"] = len(fp8_linears(model))
+        row["fp8_layers"] = len(fp8_linears(model, FP8_LAYERS[spec.precision]))
     if spec.impl == "timm":
         row["timm_fused_attn"] = any(getattr(m, "fused_attn", False) for m in model.modules())
     else:

@@ -163,6 +163,8 @@ class TrainConfig:
     mixup_mode: str = key("mix per batch | pair | elem")
     amp: str = key("precision: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32 | fp8 (bf16, and the large "
                    "linear layers in FP8: torchao)")
+    fp8_layers: str = key("amp=fp8: which linear layers run in FP8: pays (both features >= 4096; none of Swin's) "
+                          "| all (every layer FP8 GEMMs take)")
     # auto | true | false (OmegaConf has no str-or-bool type; check_config checks it)
     compile: Any = key("torch.compile the model: auto (on CUDA, not on the CPU) | true | false")
     compile_mode: str = key("auto (CUDA graphs, also under DDP; default with accum_steps > 1) | default | "

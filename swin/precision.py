@@ -53,26 +53,38 @@ def fp8_gemm_takes(in_features: int, out_features: int) -> bool:
     return in_features % 16 == 0 and out_features % 16 == 0
 
 
+FP8_MIN_FEATURES = 4096
+FP8_LAYER_CHOICES = ("pays", "all")
+
+
 def fp8_pays(in_features: int, out_features: int) -> bool:
-    """Whether a linear layer gains from FP8: torchao's rule for per-tensor scales (below it the scaling and casting
-    around the GEMM cost more than its faster math saves: in_features <= 4096 with out_features <= 1024), on a
-    shape FP8 GEMMs take (fp8_gemm_takes)."""
-    return fp8_gemm_takes(in_features, out_features) and not (in_features <= 4096 and out_features <= 1024)
+    """Whether a linear layer gains from FP8 training: both features at least FP8_MIN_FEATURES, on a shape FP8
+    GEMMs take (fp8_gemm_takes). Why: the dynamic scaling and casting around each GEMM cost more than its faster
+    math saves unless the GEMM is large on every side. Measured per layer (docs/performance.md, FP8 training):
+    every linear shape of Swin-T/B/L ran slower in FP8, none of them with both sides past 1,536; torchao reports
+    gains for layers of 4,096 and more on both sides. So no Swin layer is picked."""
+    return (fp8_gemm_takes(in_features, out_features)
+            and min(in_features, out_features) >= FP8_MIN_FEATURES)
 
 
-def fp8_linears(model: nn.Module) -> list[str]:
-    """Swaps, in place, every nn.Linear where fp8_pays for torchao's Float8Linear (the same parameters; its matmuls
-    cast inputs, weights and output gradients to FP8 with dynamic per-tensor scales and accumulate in higher
-    precision); returns the swapped layers' names. Layers whose weight the model reads itself
-    (``weight_read_directly``, e.g. Swin V2's qkv, whose biases F.linear adds) are left alone: swapping them would
-    change nothing. Works on any device; running the model needs fp8_problem(device) to be None."""
+def fp8_linears(model: nn.Module, layers: str = "pays") -> list[str]:
+    """Swaps, in place, nn.Linear layers for torchao's Float8Linear (the same parameters; its matmuls cast inputs,
+    weights and output gradients to FP8 with dynamic per-tensor scales and accumulate in higher precision); returns
+    the swapped layers' names. layers: ``pays``, those where fp8_pays; ``all``, every one FP8 GEMMs take
+    (fp8_gemm_takes), to check FP8's numerics or measure it where it does not pay; ValueError otherwise. Layers
+    whose weight the model reads itself (``weight_read_directly``, e.g. Swin V2's qkv, whose biases F.linear adds)
+    are left alone: swapping them would change nothing. Works on any device; running the model needs
+    fp8_problem(device) to be None."""
+    if layers not in FP8_LAYER_CHOICES:
+        raise ValueError(f"fp8 layers {layers!r}: use {' or '.join(FP8_LAYER_CHOICES)}")
     from torchao.float8 import convert_to_float8_training
 
+    rule = fp8_pays if layers == "pays" else fp8_gemm_takes
     swapped: list[str] = []
 
     def take(module: nn.Module, name: str) -> bool:
         chosen = (isinstance(module, nn.Linear) and not getattr(module, "weight_read_directly", False)
-                  and fp8_pays(module.in_features, module.out_features))
+                  and rule(module.in_features, module.out_features))
         if chosen:
             swapped.append(name)
         return chosen

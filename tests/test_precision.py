@@ -2,6 +2,7 @@
 one-line errors where FP8 cannot run (no GPU here: the FP8 runs are checked on the GPU by scripts/check_fp8.py)."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
 
@@ -18,25 +19,38 @@ needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, 
 
 @needs_torchao
 @pytest.mark.parametrize("name", ["swin_base_patch4_window7_224", "swinv2_tiny_window8_256"])
-def test_fp8_takes_the_large_linear_layers(name):
+def test_fp8_layers_all_takes_every_layer_fp8_gemms_take(name):
     model = swin.create_model(name, depths=(2, 2, 2, 2), attention="sdpa")
-    # independently: the nn.Linear layers torchao's rule keeps (not K <= 4096 with N <= 1024), multiples of 16 (not
-    # the 1000-class head); V2's qkv is applied through F.linear with its q/v biases, so swapping it changes nothing
+    # independently: the nn.Linear layers whose features are multiples of 16 (not the 1000-class head); V2's qkv is
+    # applied through F.linear with its q/v biases, so swapping it changes nothing
     v2 = any(hasattr(m, "cpb_mlp") for m in model.modules())
     expected = sorted(fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)
-                      and (m.in_features > 4096 or m.out_features > 1024)
                       and m.in_features % 16 == 0 and m.out_features % 16 == 0
                       and not (v2 and fqn.endswith("attn.qkv")))
     assert expected and "head.fc" not in expected
     params = dict(model.named_parameters())
     keys = list(model.state_dict())
-    swapped = fp8_linears(model)
+    assert fp8_linears(copy.deepcopy(model)) == []  # "pays": no Swin layer has 4096+ features on both sides
+    swapped = fp8_linears(model, "all")
     assert sorted(swapped) == expected
     from torchao.float8.float8_linear import Float8Linear
     assert sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear)) == expected
     # the same parameter objects (an optimizer built before or after sees the same ones) and checkpoint keys
     assert all(p is params[n] for n, p in model.named_parameters())
     assert list(model.state_dict()) == keys
+
+
+@needs_torchao
+def test_fp8_pays_only_for_layers_large_on_both_sides():
+    # built on the meta device: no memory for the 4096 x 4096 weights
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 1024), nn.Linear(1024, 8192),
+                              nn.Linear(8192, 4112), nn.Linear(4096, 4100))
+    # 4096 x 4096 and 8192 x 4112 (both sides >= 4096, multiples of 16); not 4096 -> 1024, 1024 -> 8192 (a side
+    # under 4096) nor 4096 -> 4100 (not a multiple of 16)
+    assert fp8_linears(model) == ["0", "3"]
+    with pytest.raises(ValueError, match="^fp8 layers 'some': use pays or all$"):
+        fp8_linears(model, "some")
 
 
 def test_fp8_is_one_line_where_it_cannot_run():

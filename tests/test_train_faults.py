@@ -55,6 +55,8 @@ def test_corrupt_images_skipped_and_counted(tmp_path):
     ("model.attention=flash_window", r"model.attention=auto"),
     ("train.amp=fp4", r"^train.amp='fp4': use auto, bf16, fp16, fp32 or fp8$"),
     ("train.amp=fp8", r"^train.amp=fp8 needs a CUDA GPU with FP8 tensor cores, not cpu; use train.amp=bf16$"),
+    ("train.fp8_layers=large", r"^train.fp8_layers='large': use pays \(the layers FP8 speeds up\) or all \(every "
+                               r"layer FP8 GEMMs take\)$"),
     ("train.batch_size=-4", r"^train.batch_size=-4: set train.batch_size to 1 or more$"),
     ("train.eval_batch_size=0", r"^train.eval_batch_size=0: set train.eval_batch_size to 1 or more$"),
     ("data.num_workers=-1", r"^data.num_workers=-1: set data.num_workers to 0 or more$"),

@@ -141,12 +141,13 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
     raw_model = _build_model(cfg, dist, num_classes)
     amp = resolve_amp(t.amp, device, TRAIN_AMP_CHOICES)
     if amp == "fp8":  # before the optimizer, EMA and compilation see the model (the parameters stay the same)
-        swapped = fp8_linears(raw_model)
-        log.info(f"train.amp=fp8: {len(swapped)} linear layers run their matmuls in FP8 (torchao float8 training), "
-                 "the rest under bf16 autocast")
+        swapped = fp8_linears(raw_model, t.fp8_layers)
+        log.info(f"train.amp=fp8: {len(swapped)} linear layers run their matmuls in FP8 (torchao float8 training, "
+                 f"train.fp8_layers={t.fp8_layers}), the rest under bf16 autocast")
         if not swapped:
-            log.warning("train.amp=fp8: no linear layer of this model is large enough to gain from FP8 "
-                        "(swin.precision.fp8_pays); it trains as with train.amp=bf16")
+            log.warning("train.amp=fp8: no linear layer of this model is large enough to gain from FP8 (both "
+                        "features >= 4096: swin.precision.fp8_pays); it trains as with train.amp=bf16 "
+                        "(train.fp8_layers=all puts every layer FP8 takes in FP8, slower on Swin)")
     n_params = sum(p.numel() for p in raw_model.parameters())
     log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, attention {raw_model.attention}")
     optimizer, scheduler = _build_optimizer(cfg, raw_model, device, steps_per_epoch)
