@@ -124,8 +124,9 @@ def model_pair(name: str = "swin_micro", device: str = "cpu", **kwargs) -> tuple
 
 @pytest.mark.parametrize("kwargs", [{}, dict(img_size=(18, 22), window_size=3)], ids=["16x16", "odd-merges"])
 def test_model_takes_the_kernel_at_every_merge(monkeypatch, kwargs):
-    """With the CPU among its devices: one op call per merge, the unfused logits in fp32 (eager and compiled with
-    fullgraph=True) and to bf16 precision under autocast."""
+    """With the CPU among its devices: one op call per merge, the unfused logits in fp32 (eager, and compiled with
+    fullgraph=True for the 16x16 input: a compile takes half a minute on the CPU, and the padded merges' arithmetic
+    is the eager call's) and to bf16 precision under autocast."""
     monkeypatch.setattr(swin_model, "MERGE_NORM_DEVICES", ("cuda", "cpu"))
     plain, fused = model_pair(**kwargs)
     x = torch.randn(2, 3, *plain.img_size)
@@ -133,14 +134,14 @@ def test_model_takes_the_kernel_at_every_merge(monkeypatch, kwargs):
         want = plain(x)
         with OpLog() as log:
             got = fused(x)
-        torch._dynamo.reset()
-        got_compiled = torch.compile(fused, fullgraph=True)(x)
-        torch._dynamo.reset()
+        if not kwargs:
+            torch._dynamo.reset()
+            torch.testing.assert_close(torch.compile(fused, fullgraph=True)(x), want, atol=1e-5, rtol=1e-5)
+            torch._dynamo.reset()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             want_bf16, got_bf16 = plain(x), fused(x)
     assert log.counts.get(OP) == len(fused.layers) - 1
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_compiled, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_bf16.float(), want_bf16.float(), atol=0.05, rtol=0.05)
 
 
