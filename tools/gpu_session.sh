@@ -25,8 +25,8 @@
 #                                       # train.py with each and on synthetic data, eval.py top-1 with each decode path;
 #                                       # table in $OUT/data/bench_data.md (DATA_ARGS: more overrides, e.g.
 #                                       # "loader.cpu_workers=[16] loader.gpu_workers=[8]")
-#   bash tools/gpu_session.sh fp8       # train.amp=fp8 against bf16: scripts/bench_fp8_linear.py (each layer shape),
-#                                       # scripts/check_fp8.py (losses), then grid=fp8 for
+#   bash tools/gpu_session.sh fp8       # FP8 against bf16: scripts/bench_fp8_linear.py (each layer shape),
+#                                       # scripts/check_fp8.py (losses), then grid=fp8 (every layer FP8 takes) for
 #                                       # Swin-T, Swin-B 224 and Swin-B 384
 #   BACKBONE_MODELS=t bash tools/gpu_session.sh backbone  # features_only models at 800x1216 against timm's
 #                                       # (grid=backbone): Swin-T (t), Swin-B 384 at window 12 (b384), Swin V2-T at
@@ -211,9 +211,9 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
       cp "$OUT/scaling_$mode/scaling.md" "$OUT/scaling_$mode.md" 2>/dev/null
     done; true ;;
   fp8)
-    # train.amp=fp8 (torchao: carry its wheel in .whl) against bf16: each linear layer shape of Swin-B 224 and 384
-    # in FP8 against bf16, the loss check on a task that learns, then the benchmark rows of Swin-T, Swin-B 224 and
-    # Swin-B 384
+    # FP8 (torchao: carry its wheel in .whl) against bf16: each linear layer shape of Swin-B 224 and 384 in FP8
+    # against bf16, the loss check on a task that learns, then the benchmark rows of Swin-T, Swin-B 224 and Swin-B
+    # 384 with every layer FP8 takes in FP8 (train.fp8_layers=all: swin.precision.fp8_pays picks no Swin layer)
     python scripts/bench_fp8_linear.py --model swin_base_patch4_window7_224 --json "$OUT/fp8_linear_b224.json" 2>&1 |
       tee "$OUT/fp8_linear_b224.md"
     python scripts/bench_fp8_linear.py --model swin_base_patch4_window12_384 --batch 64 \
