@@ -60,9 +60,8 @@ FP8_LAYER_CHOICES = ("pays", "all")
 def fp8_pays(in_features: int, out_features: int) -> bool:
     """Whether a linear layer gains from FP8 training: both features at least FP8_MIN_FEATURES, on a shape FP8
     GEMMs take (fp8_gemm_takes). Why: the dynamic scaling and casting around each GEMM cost more than its faster
-    math saves unless the GEMM is large on every side. Measured per layer (docs/performance.md, FP8 training):
-    every linear shape of Swin-T/B/L ran slower in FP8, none of them with both sides past 1,536; torchao reports
-    gains for layers of 4,096 and more on both sides. So no Swin layer is picked."""
+    math saves unless the GEMM is large on every side; measured per layer, no Swin layer gains, and none is picked
+    (docs/performance.md, FP8 training)."""
     return (fp8_gemm_takes(in_features, out_features)
             and min(in_features, out_features) >= FP8_MIN_FEATURES)
 
