@@ -67,7 +67,10 @@ memory, host cost and the profile stay the rows' own. That compares rows whose s
 Eager rows on CUDA (``grid=eager``) also report their host cost (``host_times``): CPU time to enqueue one inference
 forward and one call of the first stage's shifted block, with the GPU kept busy so that no wait is counted
 (``infer_host_ms``, ``infer_host_block_us``; a third table in benchmark.md). An eager forward whose host time
-exceeds its step's GPU time is host-bound.
+exceeds its step's GPU time is host-bound. With ``profile.host_phases=true`` every row's training step is split on
+the host too (``host_phases``): CPU time per phase (forward, loss, backward, optimizer, zero_grad) with the GPU kept
+busy (``train_host_phases_ms``, a table in benchmark.md): where a compiled or CUDA-graphed step is host-bound, where
+the host's time goes.
 
 Examples:
     python scripts/benchmark.py out_dir=$OUT/bench                          # default grid (Swin-T, b128, bf16)
@@ -177,6 +180,7 @@ class BenchProfileConfig:
     trace: bool = MISSING
     top_kernels: int = MISSING
     saved_tensors: bool = MISSING
+    host_phases: bool = False
 
 
 @dataclass
@@ -446,6 +450,30 @@ def _rates_result(rates: list[float], batch: int) -> dict[str, Any]:
 
 
 HOST_SLEEP_CYCLES = 200_000_000  # a GPU sleep longer than two eager forwards' enqueueing (about 0.1 s)
+HOST_PHASES = ("forward", "loss", "backward", "optimizer", "zero_grad")
+PHASE_SLEEP_CYCLES = 4 * HOST_SLEEP_CYCLES  # longer than two training steps' enqueueing, eager ones too
+
+
+def host_phases(train: Callable[..., None], device: torch.device, reps: int = 10) -> dict[str, Any]:
+    """Host CPU time (ms) per phase of a training step (HOST_PHASES, and their total), medians over ``reps``.
+    On CUDA each measured step is the second of two queued behind a GPU sleep, as host_us times a call, so that
+    no phase waits for the GPU: where the total exceeds the step's GPU busy time, the step is host-bound, and the
+    phases say where the host's time goes (CUDA graphs replay the compiled forward and backward with Python
+    around each). On the CPU the phases are the step's work itself, summed over the threads that compute it.
+    train: RowSteps.train."""
+    samples: dict[str, list[float]] = {phase: [] for phase in HOST_PHASES}
+    for _ in range(reps):
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda._sleep(PHASE_SLEEP_CYCLES)
+        train()
+        marks: list[int] = []
+        train(marks)
+        for phase, start, end in zip(HOST_PHASES, marks[:-1], marks[1:], strict=True):
+            samples[phase].append((end - start) / 1e6)
+    _sync(device)
+    medians = {phase: statistics.median(values) for phase, values in samples.items()}
+    return {"host_phases_ms": {**medians, "total": sum(medians.values())}}
 
 
 def host_times(model: nn.Module, forward: Callable[[], object], images: torch.Tensor,
@@ -744,7 +772,7 @@ class RowSteps:
 
     model: nn.Module
     infer: Callable[[], object]
-    train: Callable[[], None]
+    train: Callable[..., None]  # train(marks=None): see host_phases
     amp: Callable[[], contextlib.AbstractContextManager]
     images: torch.Tensor
     info: dict[str, Any]
@@ -800,19 +828,32 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     last_loss: list[torch.Tensor] = []
 
-    def train_step() -> None:
+    def train_step(marks: list[int] | None = None) -> None:
+        """One step; marks: where given, the process CPU time (ns) is appended before and after each of
+        HOST_PHASES."""
+        def mark() -> None:
+            if marks is not None:
+                marks.append(time.process_time_ns())
+
+        mark()
         with amp():
             out = train_run(x)
+            mark()
             loss = features_loss(out) if cfg.features_only else F.cross_entropy(out, y)
+        mark()
         if scaler is not None:
             scaler.scale(loss).backward()
+            mark()
             scaler.step(opt)
             scaler.update()
         else:
             loss.backward()
+            mark()
             opt.step()
+        mark()
         opt.zero_grad(set_to_none=True)
         last_loss[:] = [loss.detach()]
+        mark()
 
     return RowSteps(model, infer_step, train_step, amp, x, row, last_loss)
 
@@ -839,6 +880,8 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
             if mode == "train" and profile.get("saved_tensors", False):
                 with (out_dir / "profile.md").open("a") as f:
                     f.write(saved_tensor_report(step, spec.label))
+        if mode == "train" and profile.get("host_phases", False):
+            result.update(host_phases(built.train, device))
         if mode == "infer" and not spec.compile and not cfg.features_only and device.type == "cuda":
             with built.amp():
                 result.update(host_times(model, built.infer, built.images))
@@ -998,14 +1041,32 @@ def host_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def phases_table(rows: list[dict[str, Any]]) -> str:
+    """Rows' host time per training step phase (host_phases) beside their step and GPU busy time; '' where no row
+    has it."""
+    timed = [r for r in rows if r.get("train_host_phases_ms")]
+    if not timed:
+        return ""
+    head = ["row", "train step ms", "GPU busy ms", *HOST_PHASES, "host total"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in timed:
+        phases = r["train_host_phases_ms"]
+        cells = [_row_label(r), _fmt(r.get("train_step_ms"), ".2f"), _fmt(r.get("train_busy_union_ms_per_step"), ".2f"),
+                 *(f"{phases[p]:.2f}" for p in (*HOST_PHASES, "total"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report_tables(rows: list[dict[str, Any]], profiled: bool) -> str:
     """The comparison table; with profiling the GPU time breakdown under it; with eager CUDA rows their host
-    cost."""
+    cost; with profile.host_phases the host time per training phase."""
     tables = [markdown_table(rows, profiled)]
     if profiled:
         tables.append(f"## GPU kernel time per step by category (ms)\n\n{breakdown_table(rows)}")
     if host := host_table(rows):
         tables.append("## Eager host time (CPU time to enqueue, the GPU kept busy)\n\n" + host)
+    if phases := phases_table(rows):
+        tables.append("## Host time per training step phase (ms; CPU time, the GPU kept busy)\n\n" + phases)
     return "\n\n".join(tables)
 
 

@@ -9,6 +9,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -551,6 +552,51 @@ def test_host_table():
         "| ours flash_window b128 bf16 | 6.25 | 5.12 | 182 |", "| timm math b128 bf16 | 7.50 | 6.00 | - |"]
     assert host_table(rows) in report_tables(rows, profiled=False)
     assert host_table(rows[2:]) == "" and "host ms" not in report_tables(rows[2:], profiled=False)
+
+
+def test_host_phases_time_each_phase_of_a_real_step():
+    """profile.host_phases: a row's training step marks its phases where they happen (the forward's end inside the
+    forward phase, each gradient inside the backward phase), and host_phases reports each phase's median and
+    their total."""
+    from hydra import compose, initialize_config_dir
+
+    import scripts.benchmark as bench
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("benchmark", overrides=["model=swin_micro", "device=cpu"])
+    name, arch = bench.architecture(cfg.model)
+    side = arch["img_size"]
+    data = (torch.randn(2, 3, side, side), torch.randint(0, 10, (2,)))
+    steps = bench.build_row(bench.RowSpec("ours", "sdpa", False, 2, "fp32"), name, arch, cfg, torch.device("cpu"),
+                            data)
+    forward_ends, grads = [], []
+    steps.model.register_forward_hook(lambda *_: forward_ends.append(time.process_time_ns()))
+    for p in steps.model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: grads.append(time.process_time_ns()))
+    marks: list[int] = []
+    steps.train(marks)
+    assert len(marks) == len(bench.HOST_PHASES) + 1 and marks == sorted(marks)
+    assert marks[0] <= forward_ends[0] <= marks[1]
+    assert len(grads) == sum(1 for _ in steps.model.parameters()) and marks[2] <= min(grads) <= max(grads) <= marks[3]
+    phases = bench.host_phases(steps.train, torch.device("cpu"), reps=3)["host_phases_ms"]
+    assert list(phases) == [*bench.HOST_PHASES, "total"]
+    assert phases["forward"] > 0 and phases["backward"] > 0 and min(phases.values()) >= 0
+    assert phases["total"] == pytest.approx(sum(phases[p] for p in bench.HOST_PHASES))
+
+
+def test_phases_table():
+    from scripts.benchmark import phases_table, report_tables
+
+    phases = dict(forward=2.27, loss=0.5, backward=4.118, optimizer=1.64, zero_grad=0.18, total=8.708)
+    rows = [_row("ours", "flash_window", True, train_step_ms=8.1, train_busy_union_ms_per_step=7.63,
+                 train_host_phases_ms=phases),
+            _row("timm", "sdpa", True, train_step_ms=10.9)]  # no phases: not listed
+    assert phases_table(rows).splitlines() == [
+        "| row | train step ms | GPU busy ms | forward | loss | backward | optimizer | zero_grad | host total |",
+        "|" + "---|" * 9,
+        "| ours flash_window +compile b128 bf16 | 8.10 | 7.63 | 2.27 | 0.50 | 4.12 | 1.64 | 0.18 | 8.71 |"]
+    assert phases_table(rows) in report_tables(rows, profiled=False)
+    assert phases_table(rows[1:]) == "" and "host total" not in report_tables(rows[1:], profiled=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host time of CUDA launches")
