@@ -57,6 +57,13 @@ FP8_MIN_FEATURES = 4096
 FP8_LAYER_CHOICES = ("pays", "all")
 
 
+def check_fp8_layers(layers: str, key: str = "fp8_layers") -> None:
+    """ValueError, naming ``key`` and the choices, unless layers is one of FP8_LAYER_CHOICES (fp8_linears)."""
+    if layers not in FP8_LAYER_CHOICES:
+        raise ValueError(f"{key}={layers!r}: use pays (the layers FP8 speeds up) or all (every layer FP8 GEMMs "
+                         "take)")
+
+
 def fp8_pays(in_features: int, out_features: int) -> bool:
     """Whether a linear layer gains from FP8 training: both features at least FP8_MIN_FEATURES, on a shape FP8
     GEMMs take (fp8_gemm_takes). Why: the dynamic scaling and casting around each GEMM cost more than its faster
@@ -74,8 +81,7 @@ def fp8_linears(model: nn.Module, layers: str = "pays") -> list[str]:
     whose weight the model reads itself (``weight_read_directly``, e.g. Swin V2's qkv, whose biases F.linear adds)
     are left alone: swapping them would change nothing. Works on any device; running the model needs
     fp8_problem(device) to be None."""
-    if layers not in FP8_LAYER_CHOICES:
-        raise ValueError(f"fp8 layers {layers!r}: use {' or '.join(FP8_LAYER_CHOICES)}")
+    check_fp8_layers(layers)
     from torchao.float8 import convert_to_float8_training
 
     rule = fp8_pays if layers == "pays" else fp8_gemm_takes

@@ -49,7 +49,8 @@ def test_fp8_pays_only_for_layers_large_on_both_sides():
     # 4096 x 4096 and 8192 x 4112 (both sides >= 4096, multiples of 16); not 4096 -> 1024, 1024 -> 8192 (a side
     # under 4096) nor 4096 -> 4100 (not a multiple of 16)
     assert fp8_linears(model) == ["0", "3"]
-    with pytest.raises(ValueError, match="^fp8 layers 'some': use pays or all$"):
+    with pytest.raises(ValueError, match=r"^fp8_layers='some': use pays \(the layers FP8 speeds up\) or all \(every "
+                                         r"layer FP8 GEMMs take\)$"):
         fp8_linears(model, "some")
 
 

@@ -14,7 +14,7 @@ from swin.data.datasets import check_decode
 from swin.models.attention import check_backend
 from swin.models.compiling import check_memory_budget, inductor_options
 from swin.models.registry import MODEL_CONFIGS, architecture, config_overrides
-from swin.precision import FP8_LAYER_CHOICES, TRAIN_AMP_CHOICES, fp8_problem
+from swin.precision import TRAIN_AMP_CHOICES, check_fp8_layers, fp8_problem
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
@@ -136,9 +136,10 @@ def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torc
         raise ConfigError(f"train.amp={t.amp!r}: use auto, bf16, fp16, fp32 or fp8")
     if t.amp == "fp8" and (problem := fp8_problem(device, "train.amp")):
         raise ConfigError(problem)
-    if t.fp8_layers not in FP8_LAYER_CHOICES:
-        raise ConfigError(f"train.fp8_layers={t.fp8_layers!r}: use pays (the layers FP8 speeds up) or all (every "
-                          "layer FP8 GEMMs take)")
+    try:
+        check_fp8_layers(t.fp8_layers, "train.fp8_layers")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         check_backend(m.attention, device)
     except ValueError as e:

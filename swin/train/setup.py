@@ -21,7 +21,7 @@ from swin.data.loaders import build_loaders, worker_count
 from swin.models.compiling import compile_model
 from swin.models.pretrained import CheckpointError
 from swin.models.registry import config_overrides, create_model
-from swin.precision import TRAIN_AMP_CHOICES, autocast, fp8_linears, resolve_amp
+from swin.precision import FP8_MIN_FEATURES, TRAIN_AMP_CHOICES, autocast, fp8_linears, resolve_amp
 from swin.train.checks import FUSED_OPTS, compile_mode, model_arch
 from swin.train.distributed import DistInfo, seed_everything
 from swin.train.guard import EmaUpdater, StepStats, supports_found_inf
@@ -146,7 +146,7 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
                  f"train.fp8_layers={t.fp8_layers}), the rest under bf16 autocast")
         if not swapped:
             log.warning("train.amp=fp8: no linear layer of this model is large enough to gain from FP8 (both "
-                        "features >= 4096: swin.precision.fp8_pays); it trains as with train.amp=bf16 "
+                        f"features >= {FP8_MIN_FEATURES}: swin.precision.fp8_pays); it trains as with train.amp=bf16 "
                         "(train.fp8_layers=all puts every layer FP8 takes in FP8, slower on Swin)")
     n_params = sum(p.numel() for p in raw_model.parameters())
     log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, attention {raw_model.attention}")
