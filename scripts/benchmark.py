@@ -17,7 +17,8 @@ Per row, on the same synthetic data (random images and labels, fixed seed):
   before the training steps, so a training peak holds no inference memory.
 
 Rows: ``ours`` is ``swin.create_model(name, attention=..., fused_mlp_act=...)`` (fused_mlp_act: on, the model's
-default, unless the row says ``fused_mlp_act: false``; such rows are labelled ``-fused_gelu``); ``timm`` is timm's
+default, unless the row says ``fused_mlp_act: false``; such rows are labelled ``-fused_gelu``; likewise
+``fold_norm_affine: false``, ``-fold_norm``); ``timm`` is timm's
 own Swin of the same name (``timm.create_model``; for names timm does not know, e.g. swin_micro, timm's
 SwinTransformer class with our architecture config), with its SDPA path off (``math``: timm's default,
 TIMM_FUSED_ATTN=0, explicit softmax) or on (``sdpa``: what TIMM_FUSED_ATTN=2 selects). timm reads that switch when
@@ -148,6 +149,9 @@ class GridRow:
     inductor: dict[str, Any] | None = None
     # ours, compiled: the training compile's activation memory budget (swin.compile_model's memory_budget)
     memory_budget: float | None = None
+    # ours only: v1 pre-norms' affine folded into the next Linear while training (swin.create_model's
+    # fold_norm_affine); None: the model's default (on)
+    fold_norm_affine: bool | None = None
 
 
 @dataclass
@@ -227,11 +231,13 @@ class RowSpec:
     # ours, compiled: inductor options over swin.compile_model's, sorted (name, value) pairs (a row's inductor: dict)
     inductor: tuple[tuple[str, Any], ...] = ()
     memory_budget: float | None = None  # ours, compiled: the training compile's (swin.compile_model); None: torch's
+    fold_norm_affine: bool | None = None  # ours: swin.create_model's; None: the model's default (on)
 
     @property
     def label(self) -> str:
         mode = f"({self.compile_mode})" if self.compile and self.compile_mode else ""
         fused = " -fused_gelu" if self.impl == "ours" and self.fused_mlp_act is False else ""
+        fused += " -fold_norm" if self.impl == "ours" and self.fold_norm_affine is False else ""
         return (f"{self.impl}{fused} {self.attention}{' +compile' if self.compile else ''}{mode}"
                 f"{inductor_label(self.inductor) if self.compile else ''}"
                 f"{f' +memory_budget={self.memory_budget}' if self.compile and self.memory_budget else ''}"
@@ -265,9 +271,10 @@ def expand_grid(grid: DictConfig, fused_mlp_act: bool = True) -> list[RowSpec]:
             raise ValueError("grid row fused_mlp_act is a setting of ours (swin.create_model), not of timm's model")
         # ours: the row's setting, else the model config's; timm: None (not a setting of its model)
         fused = (fused_mlp_act if fused is None else bool(fused)) if impl == "ours" else None
-        inductor, budget = entry.get("inductor"), entry.get("memory_budget")
+        inductor, budget, fold = entry.get("inductor"), entry.get("memory_budget"), entry.get("fold_norm_affine")
         for key, value in (("inductor (options over swin.compile_model's)", inductor),
-                           ("memory_budget (swin.compile_model's)", budget)):
+                           ("memory_budget (swin.compile_model's)", budget),
+                           ("fold_norm_affine (swin.create_model's)", fold)):
             if value is not None and impl != "ours":
                 raise ValueError(f"grid row {key} is a setting of ours; timm's rows compile with torch.compile as "
                                  "its users do")
@@ -281,7 +288,8 @@ def expand_grid(grid: DictConfig, fused_mlp_act: bool = True) -> list[RowSpec]:
                     mode = entry.get("compile_mode")
                     specs.append(RowSpec(impl, attention, bool(compiled), int(batch), str(precision),
                                          None if mode is None else str(mode), fused, inductor,
-                                         None if budget is None else float(budget)))
+                                         None if budget is None else float(budget),
+                                         None if fold is None else bool(fold)))
     return specs
 
 
@@ -299,8 +307,10 @@ def architecture(model_cfg: DictConfig) -> tuple[str, dict[str, Any]]:
 
 
 def create_ours(name: str, arch: dict[str, Any], attention: str, fused_mlp_act: bool | None = None,
-                features_only: bool = False) -> nn.Module:
+                features_only: bool = False, fold_norm_affine: bool | None = None) -> nn.Module:
     extra = {"features_only": True} if features_only else {}
+    if fold_norm_affine is not None:
+        extra["fold_norm_affine"] = fold_norm_affine
     model = swin.create_model(name, attention=attention, fused_mlp_act=fused_mlp_act, **arch, **extra)
     found = {m.attention for m in model.modules() if isinstance(m, WindowAttentionBase)}
     if found != {attention}:
@@ -365,7 +375,7 @@ def create_timm(name: str, arch: dict[str, Any], fused: bool, features_only: boo
 def create_model(spec: RowSpec, name: str, arch: dict[str, Any], features_only: bool = False) -> nn.Module:
     """The row's model; features_only: its backbone (timm's features_only model of each side)."""
     if spec.impl == "ours":
-        return create_ours(name, arch, spec.attention, spec.fused_mlp_act, features_only)
+        return create_ours(name, arch, spec.attention, spec.fused_mlp_act, features_only, spec.fold_norm_affine)
     if is_swinv2(name):
         return create_timm_v2(name, arch, features_only)
     return create_timm(name, arch, fused=spec.attention != "math", features_only=features_only)
@@ -971,6 +981,7 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
         if r["compile"]:
             compiled = (r.get("compile_mode") or "yes") + inductor_label(r.get("inductor") or ())
         impl = r["impl"] + (" -fused GELU" if r["impl"] == "ours" and r.get("fused_mlp_act") is False else "")
+        impl += " -fold_norm" if r["impl"] == "ours" and r.get("fold_norm_affine") is False else ""
         head = [impl, r["attention"], compiled, str(r["batch_size"]), r["precision"]]
         if "error" in r or "skipped" in r:
             lines.append("| " + " | ".join(head + [r.get("error") or r["skipped"]] + ["-"] * (len(cols) - 6)) + " |")
@@ -992,7 +1003,8 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
 
 def _row_label(r: dict[str, Any]) -> str:
     return RowSpec(r["impl"], r["attention"], r["compile"], r["batch_size"], r["precision"],
-                   r.get("compile_mode"), r.get("fused_mlp_act"), tuple(map(tuple, r.get("inductor") or ()))).label
+                   r.get("compile_mode"), r.get("fused_mlp_act"), tuple(map(tuple, r.get("inductor") or ())),
+                   r.get("memory_budget"), r.get("fold_norm_affine")).label
 
 
 def _largest_share(breakdown: dict[str, float]) -> str:

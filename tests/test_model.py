@@ -255,3 +255,50 @@ def test_eager_mlp_recompute_matches_the_checkpointed_one(monkeypatch, frozen):
     for name, g in grads_fn.items():
         assert g.dtype == torch.float32, name
         assert rel_err(g, grads_ckpt[name]) < 1e-2, (name, rel_err(g, grads_ckpt[name]))
+
+
+@pytest.mark.parametrize("linear_bias", [True, False], ids=["bias", "no_bias"])
+def test_folded_norm_linear_matches_norm_then_linear(linear_bias):
+    """norm_linear in a compiled training graph folds the LayerNorm's scale and shift into the Linear (the graph's
+    layer norm has no weight or bias); output and every gradient equal norm-then-Linear's in float64. Eager mode
+    and fold_affine=False run norm then Linear as written."""
+    from swin.models.swin_transformer import norm_linear
+
+    norm = torch.nn.LayerNorm(24).double()
+    linear = torch.nn.Linear(24, 40, bias=linear_bias).double()
+    with torch.no_grad():  # away from the identity init, so that a dropped scale or shift would show
+        norm.weight.normal_(1.0, 0.5)
+        norm.bias.normal_(0.0, 0.5)
+    x = torch.randn(3, 5, 24, dtype=torch.float64, requires_grad=True)
+    probe = torch.randn(3, 5, 40, dtype=torch.float64)
+    params = [x, *norm.parameters(), *linear.parameters()]
+
+    def grads(fn) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        out = fn(x)
+        return out.detach(), list(torch.autograd.grad((out * probe).sum(), params))
+
+    layer_norms = []  # each traced layer_norm's weight argument (None: no scale)
+
+    def backend(gm, example_inputs):
+        for n in gm.graph.nodes:
+            if n.target is torch.nn.functional.layer_norm:
+                layer_norms.append(n.args[2] if len(n.args) > 2 else n.kwargs.get("weight"))
+        return gm.forward
+
+    torch._dynamo.reset()
+    folded = torch.compile(lambda t: norm_linear(t, norm, linear), backend=backend, fullgraph=True)
+    ref_out, ref_grads = grads(lambda t: linear(norm(t)))
+    out, got = grads(folded)
+    assert layer_norms and all(weight is None for weight in layer_norms)
+    assert rel_err(out, ref_out) < 1e-12
+    for g, r in zip(got, ref_grads, strict=True):
+        assert rel_err(g, r) < 1e-12
+    # eager, and fold_affine=False: the modules as written (same numbers, no fold)
+    eager_out, _ = grads(lambda t: norm_linear(t, norm, linear))
+    assert torch.equal(eager_out, ref_out)
+    layer_norms.clear()
+    torch._dynamo.reset()
+    unfolded = torch.compile(lambda t: norm_linear(t, norm, linear, fold_affine=False), backend=backend,
+                             fullgraph=True)
+    unfolded(x)
+    assert layer_norms and all(weight is not None for weight in layer_norms)

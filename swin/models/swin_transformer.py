@@ -76,6 +76,29 @@ def fc1_gelu_epilogue(x: torch.Tensor, fc1: nn.Linear, act: nn.Module) -> torch.
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def norm_linear(x: torch.Tensor, norm: nn.LayerNorm, linear: nn.Linear, fold_affine: bool = True) -> torch.Tensor:
+    """``linear(norm(x))`` for x (..., C). With ``fold_affine``, in a training graph under torch.compile, the
+    norm's scale g and shift b move into the Linear: ``linear(xhat * g + b) = xhat (W g)^T + (W b + bias)``, xhat
+    the plain normalised x.
+
+    Why: the backward then gets g's and b's gradients from the Linear's (parameter-sized sums over W's rows)
+    instead of summing over every token, the column sums that cost a compiled LayerNorm backward extra passes.
+    Same parameters and state_dict; equal to the unfolded form up to float rounding. Unfolded in eager mode (each
+    extra small op costs the host a launch, and fp32 weights would keep a scaled copy for the backward), without
+    gradients, for a norm without affine parameters, and for a Linear that is not a plain ``nn.Linear`` (FP8
+    layers compute their own forward)."""
+    if (not fold_affine or not torch.compiler.is_compiling() or not torch.is_grad_enabled()
+            or type(linear) is not nn.Linear
+            or type(norm) is not nn.LayerNorm or norm.weight is None or norm.bias is None):
+        return linear(norm(x))
+    xhat = F.layer_norm(x, norm.normalized_shape, None, None, norm.eps)
+    weight = linear.weight * norm.weight
+    bias = (linear.weight * norm.bias).sum(1)  # W b: elementwise and a row sum, in the parameters' dtype
+    if linear.bias is not None:
+        bias = bias + linear.bias
+    return F.linear(xhat, weight, bias)
+
+
 class _GeluLinear(torch.autograd.Function):
     """fc2(GELU(hidden)) keeping only ``hidden`` (fc1's output) and fc2's weight for the backward, which recomputes
     GELU for fc2's weight gradient. An eager-mode stand-in for a checkpoint around GELU and fc2: that one re-runs
@@ -145,6 +168,7 @@ class WindowAttentionBase(nn.Module, abc.ABC):
     num_heads: int
     head_dim: int
     proj: nn.Linear
+    fold_norm_affine: bool = True  # SwinTransformer.set_fold_norm_affine
 
     def set_attention(self, name: str) -> None:
         """Backend ``name`` for this module; ValueError, naming the fix, where flash_window cannot take its windows
@@ -155,14 +179,17 @@ class WindowAttentionBase(nn.Module, abc.ABC):
         self.attention, self.backend = name, backend
 
     @abc.abstractmethod
-    def backend_inputs(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, WindowAttentionArgs]:
-        """(qkv (B, H, W, 3, heads, head_dim), backend arguments) for features x (B, H, W, C)."""
+    def backend_inputs(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None,
+                       norm: nn.LayerNorm | None = None) -> tuple[torch.Tensor, WindowAttentionArgs]:
+        """(qkv (B, H, W, 3, heads, head_dim), backend arguments) for features x (B, H, W, C), normalised by
+        ``norm`` first where given."""
 
-    def forward(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """x: (B, H, W, C) features -> (B, H, W, C)."""
+    def forward(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None,
+                norm: nn.LayerNorm | None = None) -> torch.Tensor:
+        """x: (B, H, W, C) features -> (B, H, W, C). norm: v1's pre-norm, applied to x before the qkv projection
+        (and folded into it: :func:`norm_linear`)."""
         b, h, w, c = x.shape
-        qkv, args = self.backend_inputs(x, spec, attn_mask)
+        qkv, args = self.backend_inputs(x, spec, attn_mask, norm)
         out = self.backend(qkv, args)
         return self.proj(out.reshape(b, h, w, c))
 
@@ -200,10 +227,12 @@ class WindowAttention(WindowAttentionBase):
                              persistent=False)
         self.window_size = window_size
 
-    def backend_inputs(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, WindowAttentionArgs]:
+    def backend_inputs(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None,
+                       norm: nn.LayerNorm | None = None) -> tuple[torch.Tensor, WindowAttentionArgs]:
         b, h, w, c = x.shape
-        qkv = self.qkv(x).view(b, h, w, 3, self.num_heads, self.head_dim)
+        qkv = self.qkv(x) if norm is None else norm_linear(x, norm, self.qkv, self.fold_norm_affine)
+        qkv = qkv.view(b, h, w, 3, self.num_heads, self.head_dim)
+        # padded positions (timm pads the normalised block input with zeros) hold the projection's bias
         qkv_bias = None if self.qkv.bias is None else self.qkv.bias.view(3, self.num_heads, self.head_dim)
         return qkv, WindowAttentionArgs(spec, self.scale, self.relative_position_bias_table,
                                         self.relative_position_index, attn_mask, qkv_bias)
@@ -267,9 +296,10 @@ class CosineWindowAttention(WindowAttentionBase):
         with no_autocast:
             return 16 * torch.sigmoid(self.cpb_mlp(self.relative_coords_table.to(weight.dtype)))
 
-    def backend_inputs(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, WindowAttentionArgs]:
+    def backend_inputs(self, x: torch.Tensor, spec: WindowSpec, attn_mask: torch.Tensor | None,
+                       norm: nn.LayerNorm | None = None) -> tuple[torch.Tensor, WindowAttentionArgs]:
         b, h, w, c = x.shape
+        x = x if norm is None else norm(x)  # V2 normalises after the attention: its blocks pass no norm
         bias = None if self.q_bias is None else torch.cat((self.q_bias, self.k_bias, self.v_bias))
         qkv = F.linear(x, self.qkv.weight, bias).view(b, h, w, 3, self.num_heads, self.head_dim)
         # padded positions (timm pads the block input with zeros) hold the projection's bias, normalised by the
@@ -291,6 +321,7 @@ class SwinTransformerBlock(nn.Module):
         super().__init__()
         self.recompute_mlp_act = recompute_mlp_act
         self.fused_mlp_act = True  # SwinTransformer.set_fused_mlp_act
+        self.fold_norm_affine = True  # SwinTransformer.set_fold_norm_affine
         self.post_norm = version == 2
         self.shifts = shift  # every other block: by half a window, where the window is smaller than the map
         self._set_geometry(feat_size, window_size)
@@ -342,15 +373,18 @@ class SwinTransformerBlock(nn.Module):
         if self.post_norm:
             x = x + self.drop_path1(self.norm1(self.attn(x, spec, mask)))
             return x, self.drop_path2(self.norm2(self._mlp(x)))
-        x = x + self.drop_path1(self.attn(self.norm1(x), spec, mask))
-        return x, self.drop_path2(self._mlp(self.norm2(x)))
+        x = x + self.drop_path1(self.attn(x, spec, mask, norm=self.norm1))
+        return x, self.drop_path2(self._mlp(x, norm=self.norm2))
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, norm: nn.LayerNorm | None = None) -> torch.Tensor:
+        """The MLP branch of x, normalised by ``norm`` first where given (v1's pre-norm)."""
         if self.fused_mlp_act and not torch.is_grad_enabled():
+            if norm is not None:
+                x, norm = norm(x), None
             activation = fc1_gelu_epilogue(x, self.mlp.fc1, self.mlp.act)
             if activation is not None:
                 return self._mlp_out(activation)
-        hidden = self.mlp.fc1(x)
+        hidden = self.mlp.fc1(x) if norm is None else norm_linear(x, norm, self.mlp.fc1, self.fold_norm_affine)
         if self.recompute_mlp_act and torch.is_grad_enabled() and hidden.requires_grad:
             # Keep only fc1's output for backward and recompute GELU from it, instead of keeping both: the
             # GELU output (4C per token, fc2's input) is the largest activation a block holds, and
@@ -376,6 +410,7 @@ class PatchMerging(nn.Module):
         self.norm_after = norm_after
         self.norm = nn.LayerNorm(out_dim if norm_after else 4 * dim)
         self.reduction = nn.Linear(4 * dim, out_dim, bias=False)
+        self.fold_norm_affine = True  # SwinTransformer.set_fold_norm_affine
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, H, W, C) -> (B, ceil(H/2), ceil(W/2), out_dim). delta: the previous block's MLP branch, not yet
@@ -389,7 +424,7 @@ class PatchMerging(nn.Module):
         x = x.reshape(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 4, 2, 5).flatten(3)
         if self.norm_after:
             return self.norm(self.reduction(x))
-        return self.reduction(self.norm(x))
+        return norm_linear(x, self.norm, self.reduction, self.fold_norm_affine)
 
     def _fused_merge_norm(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         if self.norm_after:
@@ -498,6 +533,7 @@ class SwinTransformer(nn.Module):
         pretrained_window_sizes: Sequence[int | tuple[int, int]] | None = None,
         fused_mlp_act: bool = True,
         fused_merge_norm: bool = True,
+        fold_norm_affine: bool = True,
     ):
         super().__init__()
         if len(depths) != len(num_heads):
@@ -555,6 +591,7 @@ class SwinTransformer(nn.Module):
                                    input_fmt="NHWC")
         self.apply(_init_weights)
         self.set_fused_mlp_act(fused_mlp_act)
+        self.set_fold_norm_affine(fold_norm_affine)
         # forward_layers: without gradients, each stage's last residual add runs in the next stage's merge kernel
         self.fused_merge_norm = bool(fused_merge_norm)
         if version == 2:  # timm's res-post-norm init: every block starts as the identity
@@ -588,6 +625,16 @@ class SwinTransformer(nn.Module):
         for module in self.modules():
             if isinstance(module, SwinTransformerBlock):
                 module.fused_mlp_act = bool(enabled)
+        return self
+
+    def set_fold_norm_affine(self, enabled: bool) -> SwinTransformer:
+        """On (the default): in training graphs under torch.compile, each v1 pre-norm's scale and shift are folded
+        into the Linear after it (qkv, fc1, the patch merging's reduction; :func:`norm_linear`), so that the
+        backward takes the norm's parameter gradients from the Linear's instead of summing over every token. Off:
+        norm then Linear as written. Eager mode, inference and Swin V2's post-norms are unaffected."""
+        for module in self.modules():
+            if isinstance(module, (SwinTransformerBlock, WindowAttentionBase, PatchMerging)):
+                module.fold_norm_affine = bool(enabled)
         return self
 
     # --- timm-style helpers used by training and fine-tuning ----------------------------------
