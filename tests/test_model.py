@@ -257,6 +257,64 @@ def test_eager_mlp_recompute_matches_the_checkpointed_one(monkeypatch, frozen):
         assert rel_err(g, grads_ckpt[name]) < 1e-2, (name, rel_err(g, grads_ckpt[name]))
 
 
+def test_normalize_for_linear_keeps_its_rounded_output_not_x():
+    """The folded norm keeps only its output in the Linear's dtype and the inverse std for the backward (not the
+    float32 input); its gradient is LayerNorm's: exact in float64, within bf16 rounding from the bf16 output."""
+    from swin.models.swin_transformer import _NormalizeForLinear
+
+    x = (torch.randn(4, 7, 32, dtype=torch.float64) * 3 + 1).requires_grad_()
+    probe = torch.randn(4, 7, 32, dtype=torch.float64)
+    ref = torch.nn.functional.layer_norm(x, (32,), eps=1e-5)
+    ref_grad, = torch.autograd.grad((ref * probe).sum(), x)
+    out = _NormalizeForLinear.apply(x, (32,), 1e-5, torch.float64)
+    grad, = torch.autograd.grad((out * probe).sum(), x)
+    assert rel_err(out, ref) < 1e-12 and rel_err(grad, ref_grad) < 1e-12
+
+    x32 = x.detach().float().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = _NormalizeForLinear.apply(x32, (32,), 1e-5, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert sorted((str(t.dtype), t.shape[-1]) for t in saved) == [("torch.bfloat16", 32), ("torch.float32", 1)]
+    grad, = torch.autograd.grad((out.float() * probe.float()).sum(), x32)
+    assert grad.dtype == torch.float32
+    assert rel_err(grad, ref_grad) < 2e-2
+
+
+def test_compiled_norm_linear_under_autocast_normalizes_for_the_linear():
+    """Under bf16 autocast a compiled training graph's norm_linear on float32 x runs the folded norm through
+    _NormalizeForLinear (a bf16 output for the Linear), with output and gradients equal to norm-then-Linear's within
+    bf16 rounding."""
+    from swin.models.swin_transformer import norm_linear
+
+    norm, linear = torch.nn.LayerNorm(32), torch.nn.Linear(32, 48)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5)
+        norm.bias.normal_(0.0, 0.5)
+    x = (torch.randn(2, 9, 32) * 2 + 0.5).requires_grad_()
+    probe = torch.randn(2, 9, 48)
+    params = [x, *norm.parameters(), *linear.parameters()]
+    functions = []
+
+    def backend(gm, example_inputs):
+        functions.extend(n for n in gm.graph.nodes if "autograd_function_apply" in str(n.target))
+        return gm.forward
+
+    def run(fn) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(x)
+        assert out.dtype == torch.bfloat16
+        return out.float(), torch.autograd.grad((out.float() * probe).sum(), params)
+
+    torch._dynamo.reset()
+    out, grads = run(torch.compile(lambda t: norm_linear(t, norm, linear), backend=backend, fullgraph=True))
+    assert functions
+    ref_out, ref_grads = run(lambda t: linear(norm(t)))
+    assert rel_err(out, ref_out) < 2e-2
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert g.dtype == r.dtype and rel_err(g, r) < 3e-2
+
+
 @pytest.mark.parametrize("linear_bias", [True, False], ids=["bias", "no_bias"])
 def test_folded_norm_linear_matches_norm_then_linear(linear_bias):
     """norm_linear in a compiled training graph folds the LayerNorm's scale and shift into the Linear (the graph's
@@ -280,9 +338,10 @@ def test_folded_norm_linear_matches_norm_then_linear(linear_bias):
     layer_norms = []  # each traced layer_norm's weight argument (None: no scale)
 
     def backend(gm, example_inputs):
-        for n in gm.graph.nodes:
-            if n.target is torch.nn.functional.layer_norm:
-                layer_norms.append(n.args[2] if len(n.args) > 2 else n.kwargs.get("weight"))
+        for module in gm.modules():  # the top graph and the subgraphs of autograd.Functions
+            for n in getattr(module, "graph", torch.fx.Graph()).nodes:
+                if n.target in (torch.nn.functional.layer_norm, torch.native_layer_norm):
+                    layer_norms.append(n.args[2] if len(n.args) > 2 else n.kwargs.get("weight"))
         return gm.forward
 
     torch._dynamo.reset()

@@ -76,6 +76,35 @@ def fc1_gelu_epilogue(x: torch.Tensor, fc1: nn.Linear, act: nn.Module) -> torch.
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+class _NormalizeForLinear(torch.autograd.Function):
+    """``layer_norm(x)`` without scale or shift, returned in ``dtype`` (the Linear's compute dtype), keeping that
+    output and the inverse standard deviations for the backward instead of x.
+
+    Why: the Linear after it keeps the same rounded output for its weight gradient, so the backward needs nothing
+    else, where autograd's LayerNorm keeps x as well: under bf16 autocast x is the float32 residual stream, twice the
+    bytes. The backward, ``rstd (g - mean(g) - xhat mean(g xhat))``, runs in float32 on the rounded xhat; in float32
+    and float64 it is LayerNorm's own gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, normalized_shape: tuple[int, ...], eps: float,
+                dtype: torch.dtype) -> torch.Tensor:
+        xhat, _, rstd = torch.native_layer_norm(x, normalized_shape, None, None, eps)
+        xhat = xhat.to(dtype)
+        ctx.save_for_backward(xhat, rstd)
+        ctx.x_dtype, ctx.dims = x.dtype, tuple(range(-len(normalized_shape), 0))
+        return xhat
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        xhat, rstd = ctx.saved_tensors
+        compute = torch.promote_types(ctx.x_dtype, torch.float32)
+        xhat, grad = xhat.to(compute), grad.to(compute)
+        mean_grad = grad.mean(ctx.dims, keepdim=True)
+        mean_grad_xhat = (grad * xhat).mean(ctx.dims, keepdim=True)
+        grad_x = (grad - mean_grad - xhat * mean_grad_xhat) * rstd
+        return grad_x.to(ctx.x_dtype), None, None, None
+
+
 def norm_linear(x: torch.Tensor, norm: nn.LayerNorm, linear: nn.Linear, fold_affine: bool = True) -> torch.Tensor:
     """``linear(norm(x))`` for x (..., C). With ``fold_affine``, in a training graph under torch.compile, the
     norm's scale g and shift b move into the Linear: ``linear(xhat * g + b) = xhat (W g)^T + (W b + bias)``, xhat
@@ -91,7 +120,15 @@ def norm_linear(x: torch.Tensor, norm: nn.LayerNorm, linear: nn.Linear, fold_aff
             or type(linear) is not nn.Linear
             or type(norm) is not nn.LayerNorm or norm.weight is None or norm.bias is None):
         return linear(norm(x))
-    xhat = F.layer_norm(x, norm.normalized_shape, None, None, norm.eps)
+    dtype = x.dtype  # the dtype F.linear computes in: autocast's for float32 and half x
+    if torch.is_autocast_enabled(x.device.type) and x.dtype in (torch.float32, *HALF_DTYPES):
+        dtype = torch.get_autocast_dtype(x.device.type)
+    # keep the narrower rounded output for the backward, not x; at equal widths nothing is saved by it (and on torch
+    # 2.11's CUDA inductor, float32, the function returning its own layer_norm output lost the gradient upstream)
+    if dtype.itemsize < x.dtype.itemsize:
+        xhat = _NormalizeForLinear.apply(x, tuple(norm.normalized_shape), norm.eps, dtype)
+    else:
+        xhat = F.layer_norm(x, norm.normalized_shape, None, None, norm.eps)
     weight = linear.weight * norm.weight
     bias = (linear.weight * norm.bias).sum(1)  # W b: elementwise and a row sum, in the parameters' dtype
     if linear.bias is not None:
