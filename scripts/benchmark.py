@@ -234,11 +234,16 @@ class RowSpec:
     fold_norm_affine: bool | None = None  # ours: swin.create_model's; None: the model's default (on)
 
     @property
+    def impl_label(self) -> str:
+        """The implementation with ours' model options turned off: "ours -fused_gelu -fold_norm"."""
+        off = " -fused_gelu" if self.impl == "ours" and self.fused_mlp_act is False else ""
+        off += " -fold_norm" if self.impl == "ours" and self.fold_norm_affine is False else ""
+        return self.impl + off
+
+    @property
     def label(self) -> str:
         mode = f"({self.compile_mode})" if self.compile and self.compile_mode else ""
-        fused = " -fused_gelu" if self.impl == "ours" and self.fused_mlp_act is False else ""
-        fused += " -fold_norm" if self.impl == "ours" and self.fold_norm_affine is False else ""
-        return (f"{self.impl}{fused} {self.attention}{' +compile' if self.compile else ''}{mode}"
+        return (f"{self.impl_label} {self.attention}{' +compile' if self.compile else ''}{mode}"
                 f"{inductor_label(self.inductor) if self.compile else ''}"
                 f"{f' +memory_budget={self.memory_budget}' if self.compile and self.memory_budget else ''}"
                 f" b{self.batch_size} {self.precision}")
@@ -980,9 +985,7 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
         compiled = "no"
         if r["compile"]:
             compiled = (r.get("compile_mode") or "yes") + inductor_label(r.get("inductor") or ())
-        impl = r["impl"] + (" -fused GELU" if r["impl"] == "ours" and r.get("fused_mlp_act") is False else "")
-        impl += " -fold_norm" if r["impl"] == "ours" and r.get("fold_norm_affine") is False else ""
-        head = [impl, r["attention"], compiled, str(r["batch_size"]), r["precision"]]
+        head = [_row_spec(r).impl_label, r["attention"], compiled, str(r["batch_size"]), r["precision"]]
         if "error" in r or "skipped" in r:
             lines.append("| " + " | ".join(head + [r.get("error") or r["skipped"]] + ["-"] * (len(cols) - 6)) + " |")
             continue
@@ -1001,10 +1004,15 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
     return "\n".join(lines)
 
 
-def _row_label(r: dict[str, Any]) -> str:
+def _row_spec(r: dict[str, Any]) -> RowSpec:
+    """The spec of a result row (a row of benchmark.json)."""
     return RowSpec(r["impl"], r["attention"], r["compile"], r["batch_size"], r["precision"],
                    r.get("compile_mode"), r.get("fused_mlp_act"), tuple(map(tuple, r.get("inductor") or ())),
-                   r.get("memory_budget"), r.get("fold_norm_affine")).label
+                   r.get("memory_budget"), r.get("fold_norm_affine"))
+
+
+def _row_label(r: dict[str, Any]) -> str:
+    return _row_spec(r).label
 
 
 def _largest_share(breakdown: dict[str, float]) -> str:

@@ -210,7 +210,7 @@ def test_benchmark_fused_gelu_rows(tmp_path):
     assert fused["our_fused_mlp_act"] and not plain["our_fused_mlp_act"]  # what the built model does
     assert positive(plain["infer_img_s"]) and positive(plain["train_img_s"])
     table = (out / "benchmark.md").read_text()
-    assert "| ours | standard | no | 2 | fp32 |" in table and "| ours -fused GELU | standard | no | 2 | fp32 |" in table
+    assert "| ours | standard | no | 2 | fp32 |" in table and "| ours -fused_gelu | standard | no | 2 | fp32 |" in table
 
     from omegaconf import OmegaConf
 
