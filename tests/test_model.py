@@ -338,10 +338,9 @@ def test_folded_norm_linear_matches_norm_then_linear(linear_bias):
     layer_norms = []  # each traced layer_norm's weight argument (None: no scale)
 
     def backend(gm, example_inputs):
-        for module in gm.modules():  # the top graph and the subgraphs of autograd.Functions
-            for n in getattr(module, "graph", torch.fx.Graph()).nodes:
-                if n.target in (torch.nn.functional.layer_norm, torch.native_layer_norm):
-                    layer_norms.append(n.args[2] if len(n.args) > 2 else n.kwargs.get("weight"))
+        for n in gm.graph.nodes:
+            if n.target is torch.nn.functional.layer_norm:
+                layer_norms.append(n.args[2] if len(n.args) > 2 else n.kwargs.get("weight"))
         return gm.forward
 
     torch._dynamo.reset()
