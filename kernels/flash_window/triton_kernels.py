@@ -263,14 +263,27 @@ def _softmax_split(q, k, k_t, bias, bias_t, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(x, ptr, img_off, sy, sx, s_y, s_x, s_h, h, offs_d, HD, inwin, real, dfill, HAS_FILL: tl.constexpr):
+def _store_rows(x, ptr, img_off, sy, sx, s_y, s_x, s_h, h, offs_d, HD, inwin, real, dfill, padded,
+                HAS_FILL: tl.constexpr):
     """Stores a block's gradient rows x (its real tokens); returns dfill plus the rows of its padded tokens (they
-    hold the qkv bias)."""
+    hold the qkv bias). padded: whether the window has padded tokens (_has_padding); the sum over the rows is a
+    cross-warp reduction, skipped for the other windows."""
     offs = _offsets(sy, sx, s_y, s_x, h, s_h, offs_d)
     tl.store(ptr + img_off + offs, x.to(ptr.dtype.element_ty), mask=_io_mask(real, offs_d, HD))
     if HAS_FILL:
-        dfill += tl.sum(tl.where((inwin & (real == 0))[:, None], x, 0.0), 0)
+        if padded:
+            dfill += tl.sum(tl.where((inwin & (real == 0))[:, None], x, 0.0), 0)
     return dfill
+
+
+@triton.jit
+def _has_padding(g, H, W, WH: tl.constexpr, WW: tl.constexpr, AGH, AGW):
+    """Whether global window g holds padded tokens: it lies in the last row (column) of its image's window grid
+    and the map's height (width) is not a multiple of the window's (timm pads after the cyclic shift, so the
+    padding lies at the end of the shifted window grid)."""
+    wa = g % (AGH * AGW)
+    wy = wa // AGW
+    return ((wy == AGH - 1) & (AGH * WH != H)) | ((wa - wy * AGW == AGW - 1) & (AGW * WW != W))
 
 
 @triton.jit
@@ -396,6 +409,7 @@ def window_attn_bwd_kernel(
     for g in tl.range(first, G, nsets, num_stages=STAGES):
         cls = _mask_class(g, MGH, MGW) if MASKED else 0
         b, sy_n, sx_n, inwin_n, real_n = _tokens(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
+        padded = _has_padding(g, H, W, WH, WW, AGH, AGW) if HAS_FILL else False
         # the window's image: 64-bit scalar bases, 32-bit offsets within the image
         q_img = q_ptr + b * sq_b
         do_img = do_ptr + b * sdo_b
@@ -446,7 +460,7 @@ def window_attn_bwd_kernel(
                 # p, dp and the bias-gradient sum
                 dfill_v = _store_rows(tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION), dv_ptr,
                                       b * sdq_b, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_n, real_n,
-                                      dfill_v, HAS_FILL)
+                                      dfill_v, padded, HAS_FILL)
             else:
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -478,16 +492,16 @@ def window_attn_bwd_kernel(
         img_off = b * sdq_b
         dk = _key_grad(dk, k_raw if COSINE else k, inv_k if COSINE else scale, scale, COSINE)
         dfill_k = _store_rows(dk, dk_ptr, img_off, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_n, real_n,
-                              dfill_k, HAS_FILL)
+                              dfill_k, padded, HAS_FILL)
         if NUM_M > 1:
             dfill_v = _store_rows(dv, dv_ptr, img_off, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_n, real_n,
-                                  dfill_v, HAS_FILL)
+                                  dfill_v, padded, HAS_FILL)
         if BLOCK_T > 0:
             dk_t = _key_grad(dk_t, k_raw_t if COSINE else k_t, inv_k_t if COSINE else scale, scale, COSINE)
             dfill_k = _store_rows(dk_t, dk_ptr, img_off, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_t,
-                                  real_t, dfill_k, HAS_FILL)
+                                  real_t, dfill_k, padded, HAS_FILL)
             dfill_v = _store_rows(dv_t, dv_ptr, img_off, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_t,
-                                  real_t, dfill_v, HAS_FILL)
+                                  real_t, dfill_v, padded, HAS_FILL)
     if NUM_M == 1:
         tl.store(dbias_base + offs_n[:, None] * COLS + offs_n[None, :], dbias_acc)
     if COSINE:
