@@ -529,9 +529,9 @@ def test_compile_sees_kernels_write_only_their_outputs():
     assert done.returncode == 0, done.stderr[-3000:]
     launches = [tuple(x) for x in json.loads(done.stdout.strip().splitlines()[-1])]
     tiles, forward = ("bias_tiles_kernel", ["tiles_ptr"]), ("window_attn_fwd_kernel", ["o_ptr"])
-    backward_image = ("window_attn_bwd_kernel", ["dbias_ptr", "dfill_ptr", "dqkv_ptr"])
+    backward_image = ("window_attn_bwd_kernel", ["dbias_ptr", "dpad_ptr", "dqkv_ptr"])
     backward_window = ("window_attn_bwd_kernel", ["dbias_ptr", "dqkv_ptr"])
-    backward_cosine = ("window_attn_bwd_kernel", ["dbias_ptr", "dfill_ptr", "dqkv_ptr", "dqs_ptr"])
+    backward_cosine = ("window_attn_bwd_kernel", ["dbias_ptr", "dpad_ptr", "dqkv_ptr", "dqs_ptr"])
     summed, table_grad = ("bias_grad_sum_kernel", ["out_ptr"]), ("bias_table_grad_kernel", ["out_ptr"])
     assert launches == [tiles, forward, backward_image, summed, table_grad, tiles, forward, backward_cosine, summed,
                         table_grad, tiles, forward, backward_window, summed]

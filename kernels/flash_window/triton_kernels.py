@@ -94,12 +94,12 @@ def _io_mask(real, offs_d, HD):
 
 @triton.jit
 def _load_tokens(ptr, offsets, io_mask, real, inwin, fill_ptr, offs_d, HD, HAS_FILL: tl.constexpr):
-    """(tokens, BLOCK_D) tile; padded image tokens take the fill vector (qkv bias), others 0."""
-    x = tl.load(ptr + offsets, mask=io_mask, other=0.0)
+    """(tokens, BLOCK_D) tile; padded image tokens take the fill vector (qkv bias), others 0. The fill is chosen by
+    address, not by a select on the loaded tile, so that the load stays a plain gather the loop pipelines."""
     if HAS_FILL:
-        fill = tl.load(fill_ptr + offs_d, mask=offs_d < HD, other=0.0).to(x.dtype)
-        x = tl.where((inwin & (real == 0))[:, None], fill[None, :], x)
-    return x
+        pad = (inwin & (real == 0))[:, None] & (offs_d < HD)[None, :]
+        return tl.load(tl.where(pad, fill_ptr + offs_d[None, :], ptr + offsets), mask=io_mask | pad, other=0.0)
+    return tl.load(ptr + offsets, mask=io_mask, other=0.0)
 
 
 @triton.jit
@@ -263,27 +263,30 @@ def _softmax_split(q, k, k_t, bias, bias_t, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(x, ptr, img_off, sy, sx, s_y, s_x, s_h, h, offs_d, HD, inwin, real, dfill, padded,
+def _store_rows(x, ptr, img_off, sy, sx, s_y, s_x, s_h, h, offs_d, HD, offs, inwin, real, pad_rows,
                 HAS_FILL: tl.constexpr):
-    """Stores a block's gradient rows x (its real tokens); returns dfill plus the rows of its padded tokens (they
-    hold the qkv bias). padded: whether the window has padded tokens (_has_padding); the sum over the rows is a
-    cross-warp reduction, skipped for the other windows."""
-    offs = _offsets(sy, sx, s_y, s_x, h, s_h, offs_d)
-    tl.store(ptr + img_off + offs, x.to(ptr.dtype.element_ty), mask=_io_mask(real, offs_d, HD))
+    """Stores a block's gradient rows x: those of its real tokens into the image, those of its padded tokens (they
+    hold the fill, the qkv bias) at their token index `offs` in the window's (L, HD) rows at pad_rows, which the
+    caller sums into the fill gradient. One store either way: no cross-warp sum, and no running sum in registers."""
+    ptrs = ptr + img_off + _offsets(sy, sx, s_y, s_x, h, s_h, offs_d)
+    mask = _io_mask(real, offs_d, HD)
     if HAS_FILL:
-        if padded:
-            dfill += tl.sum(tl.where((inwin & (real == 0))[:, None], x, 0.0), 0)
-    return dfill
+        pad = (inwin & (real == 0))[:, None] & (offs_d < HD)[None, :]
+        ptrs = tl.where(pad, pad_rows + offs[:, None] * HD + offs_d[None, :], ptrs)
+        mask = mask | pad
+    tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _has_padding(g, H, W, WH: tl.constexpr, WW: tl.constexpr, AGH, AGW):
-    """Whether global window g holds padded tokens: it lies in the last row (column) of its image's window grid
-    and the map's height (width) is not a multiple of the window's (timm pads after the cyclic shift, so the
-    padding lies at the end of the shifted window grid)."""
-    wa = g % (AGH * AGW)
+def _padded_window(g, AGH, AGW):
+    """Index of window g among the windows that can hold padded tokens, those of the last row and then of the last
+    column of each image's window grid (AGH + AGW - 1 an image: timm pads after the cyclic shift, so the padding
+    lies at the end of the shifted grid); meaningless for the other windows, which store no padded rows."""
+    nwa = AGH * AGW
+    b = g // nwa
+    wa = g - b * nwa
     wy = wa // AGW
-    return ((wy == AGH - 1) & (AGH * WH != H)) | ((wa - wy * AGW == AGW - 1) & (AGW * WW != W))
+    return b * (AGH + AGW - 1) + tl.where(wy == AGH - 1, wa - wy * AGW, AGW + wy)
 
 
 @triton.jit
@@ -373,7 +376,7 @@ def window_attn_bwd_kernel(
     q_ptr, k_ptr, v_ptr, s_t, sq_b, sq_y, sq_x, sq_h,
     do_ptr, sdo_b, sdo_y, sdo_x, sdo_h,
     dqkv_ptr, sd_t, sdq_b, sdq_y, sdq_x, sdq_h,
-    tiles_ptr, fill_ptr, dbias_ptr, dfill_ptr, qs_ptr, dqs_ptr,
+    tiles_ptr, fill_ptr, dbias_ptr, dpad_ptr, qs_ptr, dqs_ptr,
     G, L, H, W, AGH, AGW, ASH, ASW, MGH, MGW, HD, NH, scale,
     WH: tl.constexpr, WW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -404,12 +407,14 @@ def window_attn_bwd_kernel(
     dbias_base = dbias_ptr + (first * NH + h).to(tl.int64) * (NUM_M * BLOCK_M * COLS)
     if NUM_M == 1:
         dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    dfill_k = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    dfill_v = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    # the padded tokens' dk and dv rows (see _store_rows): (2, NH, padded windows, L, HD), k's then v's
+    padded_windows = (G // (AGH * AGW)) * (AGH + AGW - 1)
+    dpad_ptr += h * padded_windows * L * HD
     for g in tl.range(first, G, nsets, num_stages=STAGES):
         cls = _mask_class(g, MGH, MGW) if MASKED else 0
         b, sy_n, sx_n, inwin_n, real_n = _tokens(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
-        padded = _has_padding(g, H, W, WH, WW, AGH, AGW) if HAS_FILL else False
+        pad_k = dpad_ptr + _padded_window(g, AGH, AGW).to(tl.int64) * (L * HD)  # this window's rows
+        pad_v = pad_k + NH * padded_windows * L * HD
         # the window's image: 64-bit scalar bases, 32-bit offsets within the image
         q_img = q_ptr + b * sq_b
         do_img = do_ptr + b * sdo_b
@@ -458,9 +463,8 @@ def window_attn_bwd_kernel(
                 p = _softmax(q, k, bias, scale, PRECISION)
             if NUM_M == 1:  # one query block: dv is whole here; stored at once, it is not live beside
                 # p, dp and the bias-gradient sum
-                dfill_v = _store_rows(tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION), dv_ptr,
-                                      b * sdq_b, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_n, real_n,
-                                      dfill_v, padded, HAS_FILL)
+                _store_rows(tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION), dv_ptr, b * sdq_b,
+                            sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, offs_n, inwin_n, real_n, pad_v, HAS_FILL)
             else:
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -491,22 +495,18 @@ def window_attn_bwd_kernel(
                 tl.debug_barrier()
         img_off = b * sdq_b
         dk = _key_grad(dk, k_raw if COSINE else k, inv_k if COSINE else scale, scale, COSINE)
-        dfill_k = _store_rows(dk, dk_ptr, img_off, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_n, real_n,
-                              dfill_k, padded, HAS_FILL)
+        _store_rows(dk, dk_ptr, img_off, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, offs_n, inwin_n, real_n,
+                    pad_k, HAS_FILL)
         if NUM_M > 1:
-            dfill_v = _store_rows(dv, dv_ptr, img_off, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_n, real_n,
-                                  dfill_v, padded, HAS_FILL)
+            _store_rows(dv, dv_ptr, img_off, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, offs_n, inwin_n,
+                        real_n, pad_v, HAS_FILL)
         if BLOCK_T > 0:
             dk_t = _key_grad(dk_t, k_raw_t if COSINE else k_t, inv_k_t if COSINE else scale, scale, COSINE)
-            dfill_k = _store_rows(dk_t, dk_ptr, img_off, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_t,
-                                  real_t, dfill_k, padded, HAS_FILL)
-            dfill_v = _store_rows(dv_t, dv_ptr, img_off, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h, offs_d, HD, inwin_t,
-                                  real_t, dfill_v, padded, HAS_FILL)
+            _store_rows(dk_t, dk_ptr, img_off, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h, offs_d, HD, offs_t, inwin_t,
+                        real_t, pad_k, HAS_FILL)
+            _store_rows(dv_t, dv_ptr, img_off, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h, offs_d, HD, offs_t, inwin_t,
+                        real_t, pad_v, HAS_FILL)
     if NUM_M == 1:
         tl.store(dbias_base + offs_n[:, None] * COLS + offs_n[None, :], dbias_acc)
     if COSINE:
         tl.store(dqs_ptr + first * NH + h, tl.sum(dq_scale, 0))
-    if HAS_FILL:
-        dmask = offs_d < HD
-        tl.atomic_add(dfill_ptr + h * HD + offs_d, dfill_k, mask=dmask)
-        tl.atomic_add(dfill_ptr + (NH + h) * HD + offs_d, dfill_v, mask=dmask)
