@@ -6,7 +6,10 @@ Q, K, V are read once and O written once in the forward; the backward recomputes
 Tokens are addressed in *image layout*: tensors are viewed as (B, H, W, heads, head_dim) and a
 window's token (r, c) is found by undoing the block's cyclic shift and padding in the index
 arithmetic, so no roll / pad / partition copies exist around the kernel. The window layout
-(B * num_windows, heads, L, head_dim) is the special case of images of one 1 x L window each.
+(B * num_windows, heads, L, head_dim) is the special case of images of one 1 x L window each. A padded token holds
+what timm's zero padding gives it after the qkv projection, the qkv bias (the fill): its K and V rows are loaded from
+the fill vector's address, and the backward stores its dk and dv rows to a buffer the caller sums into the fill's
+gradient.
 
 B is the (heads, L, L) bias (gathered from Swin's relative position table, or given dense) plus the additive mask
 of the window's class: Swin's shifted-window mask depends only on whether a window lies in the last row and/or the
