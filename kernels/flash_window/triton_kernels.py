@@ -98,7 +98,7 @@ def _io_mask(real, offs_d, HD):
 @triton.jit
 def _load_tokens(ptr, offsets, io_mask, real, inwin, fill_ptr, offs_d, HD, HAS_FILL: tl.constexpr):
     """(tokens, BLOCK_D) tile; padded image tokens take the fill vector (qkv bias), others 0. The fill is chosen by
-    address, not by a select on the loaded tile, so that the load stays a plain gather the loop pipelines."""
+    address (one plain load), not by a select on the loaded tile, which was slower (docs/performance.md)."""
     if HAS_FILL:
         pad = (inwin & (real == 0))[:, None] & (offs_d < HD)[None, :]
         return tl.load(tl.where(pad, fill_ptr + offs_d[None, :], ptr + offsets), mask=io_mask | pad, other=0.0)
