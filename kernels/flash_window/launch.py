@@ -285,7 +285,7 @@ def _finish_image_grads(dfill: torch.Tensor, dq_scale: torch.Tensor, kv_fill: to
     dk and dv rows summed in fp32, in the fill's dtype; the programs' partial sums summed; empty tensors stay empty.
     Torch ops, so they run after the replayable launches."""
     if kv_fill is not None:
-        dfill = dfill.flatten(2, 3).sum(2, dtype=torch.float32).to(kv_fill.dtype)
+        dfill = dfill.sum((2, 3), dtype=torch.float32).to(kv_fill.dtype)
     if q_scale is not None:
         dq_scale = dq_scale.sum(0).to(q_scale.dtype)
     return dfill, dq_scale

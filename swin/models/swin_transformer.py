@@ -37,6 +37,7 @@ MAX_LOGIT_SCALE = math.log(100.0)  # Swin V2 clamps the learnt logit scale at 10
 # is addmm then exact GELU, to run fc1_gelu_epilogue's logic without a GPU.
 EPILOGUE_DEVICES: tuple[str, ...] = ("cuda",)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+AUTOCAST_CASTABLE = (torch.float32, *HALF_DTYPES)  # what autocast casts for F.linear (it leaves float64)
 # Devices where the stages' merges run as one kernel with the preceding residual add (fused_merge_norm); tests add
 # "cpu", where the kernel runs in the Triton interpreter (TRITON_INTERPRET=1).
 MERGE_NORM_DEVICES: tuple[str, ...] = ("cuda",)
@@ -64,8 +65,7 @@ def fc1_gelu_epilogue(x: torch.Tensor, fc1: nn.Linear, act: nn.Module) -> torch.
     # (is_autocast_enabled and get_autocast_dtype are constants to dynamo: no graph break)
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
-        castable = (torch.float32, *HALF_DTYPES)  # autocast leaves float64 alone
-        if x.dtype not in castable or weight.dtype not in castable or bias.dtype not in castable:
+        if not all(t.dtype in AUTOCAST_CASTABLE for t in (x, weight, bias)):
             return None
         x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
     elif x.dtype != weight.dtype or x.dtype != bias.dtype:
@@ -121,7 +121,7 @@ def norm_linear(x: torch.Tensor, norm: nn.LayerNorm, linear: nn.Linear, fold_aff
             or type(norm) is not nn.LayerNorm or norm.weight is None or norm.bias is None):
         return linear(norm(x))
     dtype = x.dtype  # the dtype F.linear computes in: autocast's for float32 and half x
-    if torch.is_autocast_enabled(x.device.type) and x.dtype in (torch.float32, *HALF_DTYPES):
+    if torch.is_autocast_enabled(x.device.type) and x.dtype in AUTOCAST_CASTABLE:
         dtype = torch.get_autocast_dtype(x.device.type)
     # keep the narrower rounded output for the backward, not x; at equal widths nothing is saved by it (and on torch
     # 2.11's CUDA inductor, float32, the function returning its own layer_norm output lost the gradient upstream)
