@@ -266,30 +266,38 @@ def _softmax_split(q, k, k_t, bias, bias_t, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(x, ptr, img_off, sy, sx, s_y, s_x, s_h, h, offs_d, HD, offs, inwin, real, pad_rows,
-                HAS_FILL: tl.constexpr):
+def _store_rows(x, ptr, img_off, sy, sx, s_y, s_x, s_h, h, offs_d, HD, g, offs, inwin, real, pad_rows, H, W,
+                WH: tl.constexpr, WW: tl.constexpr, AGH, AGW, HAS_FILL: tl.constexpr):
     """Stores a block's gradient rows x: those of its real tokens into the image, those of its padded tokens (they
-    hold the fill, the qkv bias) at their token index `offs` in the window's (L, HD) rows at pad_rows, which the
-    caller sums into the fill gradient. One store either way: no cross-warp sum, and no running sum in registers."""
+    hold the fill, the qkv bias) into their slots (_padded_slots) of the (padded tokens, HD) rows at pad_rows, which
+    the caller sums into the fill gradient. One store either way: no cross-warp sum, no running sum in registers."""
     ptrs = ptr + img_off + _offsets(sy, sx, s_y, s_x, h, s_h, offs_d)
     mask = _io_mask(real, offs_d, HD)
     if HAS_FILL:
         pad = (inwin & (real == 0))[:, None] & (offs_d < HD)[None, :]
-        ptrs = tl.where(pad, pad_rows + offs[:, None] * HD + offs_d[None, :], ptrs)
+        slots = _padded_slots(g, offs, H, W, WH, WW, AGH, AGW)
+        ptrs = tl.where(pad, pad_rows + slots[:, None] * HD + offs_d[None, :], ptrs)
         mask = mask | pad
     tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _padded_window(g, AGH, AGW):
-    """Index of window g among the windows that can hold padded tokens, those of the last row and then of the last
-    column of each image's window grid (AGH + AGW - 1 an image: timm pads after the cyclic shift, so the padding
-    lies at the end of the shifted grid); meaningless for the other windows, which store no padded rows."""
+def _padded_slots(g, offs, H, W, WH: tl.constexpr, WW: tl.constexpr, AGH, AGW):
+    """Slot of each padded token `offs` of window g among the padded tokens of every image (int64; meaningless for
+    real tokens). An (H, W) map pads to a grid of (AGH * WH, AGW * WW) tokens; an image's slots hold its padded rows
+    first, then the padded columns of its real rows, so each padded token has a slot of its own and every slot is
+    written."""
     nwa = AGH * AGW
     b = g // nwa
     wa = g - b * nwa
     wy = wa // AGW
-    return b * (AGH + AGW - 1) + tl.where(wy == AGH - 1, wa - wy * AGW, AGW + wy)
+    ty = wy * WH + offs // WW
+    tx = (wa - wy * AGW) * WW + offs % WW
+    grid_w = AGW * WW
+    pad_h = AGH * WH - H
+    pad_w = grid_w - W
+    slot = tl.where(ty >= H, (ty - H) * grid_w + tx, pad_h * grid_w + ty * pad_w + (tx - W))
+    return b.to(tl.int64) * (pad_h * grid_w + H * pad_w) + slot
 
 
 @triton.jit
@@ -410,14 +418,13 @@ def window_attn_bwd_kernel(
     dbias_base = dbias_ptr + (first * NH + h).to(tl.int64) * (NUM_M * BLOCK_M * COLS)
     if NUM_M == 1:
         dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # the padded tokens' dk and dv rows (see _store_rows): (2, NH, padded windows, L, HD), k's then v's
-    padded_windows = (G // (AGH * AGW)) * (AGH + AGW - 1)
-    dpad_ptr += h * padded_windows * L * HD
+    # the padded tokens' dk and dv rows (see _store_rows): (2, NH, padded tokens, HD), k's then v's
+    padded_tokens = (G // (AGH * AGW)) * (AGH * WH * AGW * WW - H * W)
+    pad_k = dpad_ptr + (h * padded_tokens * HD).to(tl.int64)
+    pad_v = pad_k + (NH * padded_tokens * HD).to(tl.int64)
     for g in tl.range(first, G, nsets, num_stages=STAGES):
         cls = _mask_class(g, MGH, MGW) if MASKED else 0
         b, sy_n, sx_n, inwin_n, real_n = _tokens(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
-        pad_k = dpad_ptr + _padded_window(g, AGH, AGW).to(tl.int64) * (L * HD)  # this window's rows
-        pad_v = pad_k + NH * padded_windows * L * HD
         # the window's image: 64-bit scalar bases, 32-bit offsets within the image
         q_img = q_ptr + b * sq_b
         do_img = do_ptr + b * sdo_b
@@ -467,7 +474,8 @@ def window_attn_bwd_kernel(
             if NUM_M == 1:  # one query block: dv is whole here; stored at once, it is not live beside
                 # p, dp and the bias-gradient sum
                 _store_rows(tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION), dv_ptr, b * sdq_b,
-                            sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, offs_n, inwin_n, real_n, pad_v, HAS_FILL)
+                            sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, g, offs_n, inwin_n, real_n, pad_v, H, W,
+                            WH, WW, AGH, AGW, HAS_FILL)
             else:
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -498,17 +506,17 @@ def window_attn_bwd_kernel(
                 tl.debug_barrier()
         img_off = b * sdq_b
         dk = _key_grad(dk, k_raw if COSINE else k, inv_k if COSINE else scale, scale, COSINE)
-        _store_rows(dk, dk_ptr, img_off, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, offs_n, inwin_n, real_n,
-                    pad_k, HAS_FILL)
+        _store_rows(dk, dk_ptr, img_off, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, g, offs_n, inwin_n, real_n,
+                    pad_k, H, W, WH, WW, AGH, AGW, HAS_FILL)
         if NUM_M > 1:
-            _store_rows(dv, dv_ptr, img_off, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, offs_n, inwin_n,
-                        real_n, pad_v, HAS_FILL)
+            _store_rows(dv, dv_ptr, img_off, sy_n, sx_n, sdq_y, sdq_x, sdq_h, h, offs_d, HD, g, offs_n, inwin_n,
+                        real_n, pad_v, H, W, WH, WW, AGH, AGW, HAS_FILL)
         if BLOCK_T > 0:
             dk_t = _key_grad(dk_t, k_raw_t if COSINE else k_t, inv_k_t if COSINE else scale, scale, COSINE)
-            _store_rows(dk_t, dk_ptr, img_off, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h, offs_d, HD, offs_t, inwin_t,
-                        real_t, pad_k, HAS_FILL)
-            _store_rows(dv_t, dv_ptr, img_off, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h, offs_d, HD, offs_t, inwin_t,
-                        real_t, pad_v, HAS_FILL)
+            _store_rows(dk_t, dk_ptr, img_off, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h, offs_d, HD, g, offs_t, inwin_t,
+                        real_t, pad_k, H, W, WH, WW, AGH, AGW, HAS_FILL)
+            _store_rows(dv_t, dv_ptr, img_off, sy_t, sx_t, sdq_y, sdq_x, sdq_h, h, offs_d, HD, g, offs_t, inwin_t,
+                        real_t, pad_v, H, W, WH, WW, AGH, AGW, HAS_FILL)
     if NUM_M == 1:
         tl.store(dbias_base + offs_n[:, None] * COLS + offs_n[None, :], dbias_acc)
     if COSINE:
