@@ -418,10 +418,17 @@ def window_attn_bwd_kernel(
     dbias_base = dbias_ptr + (first * NH + h).to(tl.int64) * (NUM_M * BLOCK_M * COLS)
     if NUM_M == 1:
         dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # the padded tokens' dk and dv rows (see _store_rows): (2, NH, padded tokens, HD), k's then v's
+    # the padded tokens' dk and dv rows (see _store_rows): (2, NH, padded tokens + 2, HD), k's then v's; each head's
+    # last two rows are zero, so that no size of the buffer is 0 or 1 (a map that divides by the window has no
+    # padded tokens, and torch.compile specialises on sizes 0 and 1)
     padded_tokens = (G // (AGH * AGW)) * (AGH * WH * AGW * WW - H * W)
-    pad_k = dpad_ptr + (h * padded_tokens * HD).to(tl.int64)
-    pad_v = pad_k + (NH * padded_tokens * HD).to(tl.int64)
+    pad_k = dpad_ptr + (h * (padded_tokens + 2) * HD).to(tl.int64)
+    pad_v = pad_k + (NH * (padded_tokens + 2) * HD).to(tl.int64)
+    if HAS_FILL and first == 0:
+        offs_spare = tl.arange(0, 2 * BLOCK_D)
+        spare = tl.zeros((2 * BLOCK_D,), dtype=pad_k.dtype.element_ty)
+        tl.store(pad_k + padded_tokens * HD + offs_spare, spare, mask=offs_spare < 2 * HD)
+        tl.store(pad_v + padded_tokens * HD + offs_spare, spare, mask=offs_spare < 2 * HD)
     for g in tl.range(first, G, nsets, num_stages=STAGES):
         cls = _mask_class(g, MGH, MGW) if MASKED else 0
         b, sy_n, sx_n, inwin_n, real_n = _tokens(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
