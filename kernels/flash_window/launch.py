@@ -14,6 +14,7 @@ import torch
 
 from kernels.flash_window import plan
 from kernels.flash_window.triton_kernels import (
+    SPARE_PAD_ROWS,
     bias_grad_sum_kernel,
     bias_table_grad_kernel,
     bias_tiles_kernel,
@@ -142,8 +143,8 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
               table_window: tuple[int, int], scale: float, q_scale: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Writes dq, dk, dv into dqkv (sd_t elements apart) (of the raw q and k with q_scale); returns (bias
-    gradient, the padded tokens' dk and dv rows (2, heads, padded tokens + 2, head_dim) in dqkv's dtype, whose sum is
-    the fill gradient, or None, the q_scale gradient's (programs, heads) fp32 partial sums or
+    gradient, the padded tokens' dk and dv rows (2, heads, padded tokens + SPARE_PAD_ROWS, head_dim) in dqkv's
+    dtype, whose sum is the fill gradient, or None, the q_scale gradient's (programs, heads) fp32 partial sums or
     None): what the kernels write, so that an eager call replays whole; :func:`_finish_image_grads` makes them the
     gradients. tiles: the forward's bias tiles (4 classes when shifted); bias: the forward's bias (dense or a
     table), for its gradient's shape and dtype."""
@@ -155,11 +156,12 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s_t: int, sq: S
     # multi-block one adds into it window after window
     partial = scratch((cfg["sets"], heads, cfg["NUM_M"] * cfg["BLOCK_M"], tiles.shape[-1]), torch.float32, q.device,
                       zero=cfg["NUM_M"] > 1)
-    # a row per padded token of the padded window grid, each written once (see triton_kernels._padded_slots), and two
-    # zero rows: no size 0 or 1, on which torch.compile would specialise, where a map divides by the window
+    # a row per padded token of the padded window grid, each written once (see triton_kernels._padded_slots), and
+    # SPARE_PAD_ROWS zero rows, which the kernel writes: no size 0 or 1, where a map divides by the window
     grid_tokens = geo.addr_grid[0] * geo.window[0] * geo.addr_grid[1] * geo.window[1]
     padded_tokens = geo.images * (grid_tokens - geo.feat[0] * geo.feat[1])
-    pad_rows = scratch((2, heads, padded_tokens + 2, head_dim), dqkv.dtype, q.device) if fill is not None else None
+    pad_rows = (scratch((2, heads, padded_tokens + SPARE_PAD_ROWS.value, head_dim), dqkv.dtype, q.device)
+                if fill is not None else None)
     # one value per program, written by the program: summed here
     dq_scale = scratch((cfg["sets"], heads), torch.float32, q.device) if q_scale is not None else None
     kernel = _launch(window_attn_bwd_kernel, (cfg["sets"] * heads,), q, k, v, s_t, *sq, do, *sdo, dqkv, sd_t, *sdq,

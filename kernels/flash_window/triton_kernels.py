@@ -37,6 +37,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+# zero rows after each head's padded-token rows in the fill-gradient buffer (window_attn_bwd_kernel), allocated by
+# launch._backward: no size of the buffer is then 0 or 1, on which torch.compile would specialise
+SPARE_PAD_ROWS = tl.constexpr(2)
+
 
 @triton.jit
 def _wrap(t, n):
@@ -96,11 +100,18 @@ def _io_mask(real, offs_d, HD):
 
 
 @triton.jit
+def _pad_mask(inwin, real, offs_d, HD):
+    """(tokens, BLOCK_D) mask of padded tokens (in the window, not in the image: they hold the fill), channels below
+    head_dim."""
+    return (inwin & (real == 0))[:, None] & (offs_d < HD)[None, :]
+
+
+@triton.jit
 def _load_tokens(ptr, offsets, io_mask, real, inwin, fill_ptr, offs_d, HD, HAS_FILL: tl.constexpr):
     """(tokens, BLOCK_D) tile; padded image tokens take the fill vector (qkv bias), others 0. The fill is chosen by
     address (one plain load), not by a select on the loaded tile, which was slower (docs/performance.md)."""
     if HAS_FILL:
-        pad = (inwin & (real == 0))[:, None] & (offs_d < HD)[None, :]
+        pad = _pad_mask(inwin, real, offs_d, HD)
         return tl.load(tl.where(pad, fill_ptr + offs_d[None, :], ptr + offsets), mask=io_mask | pad, other=0.0)
     return tl.load(ptr + offsets, mask=io_mask, other=0.0)
 
@@ -274,7 +285,7 @@ def _store_rows(x, ptr, img_off, sy, sx, s_y, s_x, s_h, h, offs_d, HD, g, offs, 
     ptrs = ptr + img_off + _offsets(sy, sx, s_y, s_x, h, s_h, offs_d)
     mask = _io_mask(real, offs_d, HD)
     if HAS_FILL:
-        pad = (inwin & (real == 0))[:, None] & (offs_d < HD)[None, :]
+        pad = _pad_mask(inwin, real, offs_d, HD)
         slots = _padded_slots(g, offs, H, W, WH, WW, AGH, AGW)
         ptrs = tl.where(pad, pad_rows + slots[:, None] * HD + offs_d[None, :], ptrs)
         mask = mask | pad
@@ -418,17 +429,16 @@ def window_attn_bwd_kernel(
     dbias_base = dbias_ptr + (first * NH + h).to(tl.int64) * (NUM_M * BLOCK_M * COLS)
     if NUM_M == 1:
         dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # the padded tokens' dk and dv rows (see _store_rows): (2, NH, padded tokens + 2, HD), k's then v's; each head's
-    # last two rows are zero, so that no size of the buffer is 0 or 1 (a map that divides by the window has no
-    # padded tokens, and torch.compile specialises on sizes 0 and 1)
+    # the padded tokens' dk and dv rows (see _store_rows): (2, NH, padded tokens + SPARE_PAD_ROWS, HD), k's then
+    # v's; each head's first program zeroes the spare rows
     padded_tokens = (G // (AGH * AGW)) * (AGH * WH * AGW * WW - H * W)
-    pad_k = dpad_ptr + (h * (padded_tokens + 2) * HD).to(tl.int64)
-    pad_v = pad_k + (NH * (padded_tokens + 2) * HD).to(tl.int64)
+    pad_k = dpad_ptr + (h * (padded_tokens + SPARE_PAD_ROWS) * HD).to(tl.int64)
+    pad_v = pad_k + (NH * (padded_tokens + SPARE_PAD_ROWS) * HD).to(tl.int64)
     if HAS_FILL and first == 0:
-        offs_spare = tl.arange(0, 2 * BLOCK_D)
-        spare = tl.zeros((2 * BLOCK_D,), dtype=pad_k.dtype.element_ty)
-        tl.store(pad_k + padded_tokens * HD + offs_spare, spare, mask=offs_spare < 2 * HD)
-        tl.store(pad_v + padded_tokens * HD + offs_spare, spare, mask=offs_spare < 2 * HD)
+        offs_spare = tl.arange(0, SPARE_PAD_ROWS * BLOCK_D)
+        spare = tl.zeros((SPARE_PAD_ROWS * BLOCK_D,), dtype=pad_k.dtype.element_ty)
+        tl.store(pad_k + padded_tokens * HD + offs_spare, spare, mask=offs_spare < HD * SPARE_PAD_ROWS)
+        tl.store(pad_v + padded_tokens * HD + offs_spare, spare, mask=offs_spare < HD * SPARE_PAD_ROWS)
     for g in tl.range(first, G, nsets, num_stages=STAGES):
         cls = _mask_class(g, MGH, MGW) if MASKED else 0
         b, sy_n, sx_n, inwin_n, real_n = _tokens(g, offs_n, L, H, W, WH, WW, AGH, AGW, ASH, ASW)
