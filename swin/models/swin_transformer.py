@@ -34,7 +34,7 @@ from swin.models.windows import (
 VERSIONS = (1, 2)
 MAX_LOGIT_SCALE = math.log(100.0)  # Swin V2 clamps the learnt logit scale at 100 (temperature 0.01)
 # Devices whose torch._addmm_activation is a GEMM with its GELU epilogue (cuBLASLt); tests add "cpu", where the op
-# is addmm then exact GELU, to run fc1_gelu_epilogue's logic without a GPU.
+# is addmm then exact GELU, to run fc1_gelu_epilogue's and mlp_with_gelu_epilogue's logic without a GPU.
 EPILOGUE_DEVICES: tuple[str, ...] = ("cuda",)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 AUTOCAST_CASTABLE = (torch.float32, *HALF_DTYPES)  # what autocast casts for F.linear (it leaves float64)
@@ -116,10 +116,28 @@ def norm_linear(x: torch.Tensor, norm: nn.LayerNorm, linear: nn.Linear, fold_aff
     extra small op costs the host a launch, and fp32 weights would keep a scaled copy for the backward), without
     gradients, for a norm without affine parameters, and for a Linear that is not a plain ``nn.Linear`` (FP8
     layers compute their own forward)."""
-    if (not fold_affine or not torch.compiler.is_compiling() or not torch.is_grad_enabled()
-            or type(linear) is not nn.Linear
-            or type(norm) is not nn.LayerNorm or norm.weight is None or norm.bias is None):
+    if not _folds(norm, linear, fold_affine):
         return linear(norm(x))
+    return F.linear(*_folded_operands(x, norm, linear))
+
+
+def norm_linear_operands(x: torch.Tensor, norm: nn.LayerNorm, linear: nn.Linear, fold_affine: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(input, weight, bias) with ``F.linear(input, weight, bias)`` equal to :func:`norm_linear` for a plain
+    ``nn.Linear``: the normalised x and the folded weight and bias where it folds, else ``norm(x)`` and the Linear's
+    own."""
+    if not _folds(norm, linear, fold_affine):
+        return norm(x), linear.weight, linear.bias
+    return _folded_operands(x, norm, linear)
+
+
+def _folds(norm: nn.Module, linear: nn.Module, fold_affine: bool) -> bool:
+    return (fold_affine and torch.compiler.is_compiling() and torch.is_grad_enabled() and type(linear) is nn.Linear
+            and type(norm) is nn.LayerNorm and norm.weight is not None and norm.bias is not None)
+
+
+def _folded_operands(x: torch.Tensor, norm: nn.LayerNorm, linear: nn.Linear
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     dtype = x.dtype  # the dtype F.linear computes in: autocast's for float32 and half x
     if torch.is_autocast_enabled(x.device.type) and x.dtype in AUTOCAST_CASTABLE:
         dtype = torch.get_autocast_dtype(x.device.type)
@@ -133,7 +151,66 @@ def norm_linear(x: torch.Tensor, norm: nn.LayerNorm, linear: nn.Linear, fold_aff
     bias = (linear.weight * norm.bias).sum(1)  # W b: elementwise and a row sum, in the parameters' dtype
     if linear.bias is not None:
         bias = bias + linear.bias
-    return F.linear(xhat, weight, bias)
+    return xhat, weight, bias
+
+
+class _GeluEpilogueMlp(torch.autograd.Function):
+    """``fc2(GELU(fc1(x)))`` on 2-D operands of one dtype, fc1 and GELU as one GEMM with cuBLASLt's GELU epilogue
+    (``torch._addmm_activation``), keeping only x and the weights: the backward recomputes fc1's output, from which
+    it gets GELU's derivative and output (fc2's weight gradient).
+
+    Why: the forward writes no fc1 output and runs no GELU pass (one 4C-wide write instead of three), and no 4C-wide
+    activation is kept for the backward; recomputing fc1 costs one GEMM there. The epilogue's GELU is the tanh
+    approximation on CUDA (exact on the CPU, where the op is addmm then GELU); the backward differentiates that."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                b2: torch.Tensor) -> torch.Tensor:
+        hidden = torch._addmm_activation(b1, x, w1.t(), use_gelu=True)
+        ctx.save_for_backward(x, w1, b1, w2)
+        return torch.addmm(b2, hidden, w2.t())
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x, w1, b1, w2 = ctx.saved_tensors
+        approximate = "tanh" if x.device.type == "cuda" else "none"  # the GELU _addmm_activation computes there
+        pre = torch.addmm(b1, x, w1.t())
+        grad_pre = torch.ops.aten.gelu_backward(grad @ w2, pre, approximate=approximate)
+        hidden = F.gelu(pre, approximate=approximate)
+        return grad_pre @ w1, grad_pre.t() @ x, grad_pre.sum(0), grad.t() @ hidden, grad.sum(0)
+
+
+def mlp_with_gelu_epilogue(x: torch.Tensor, mlp: Mlp, norm: nn.LayerNorm | None, fold_affine: bool
+                           ) -> torch.Tensor | None:
+    """``mlp(norm(x))`` (norm optional) for a training step through :class:`_GeluEpilogueMlp` (fc1 and GELU as one
+    GEMM, fc1 recomputed in the backward), or None where that would not compute what the MLP computes (the caller
+    then runs it as written).
+
+    Like :func:`fc1_gelu_epilogue` its GELU is the tanh approximation, so it runs in half precision only (autocast
+    or half weights), on CUDA, for timm's ``Mlp`` with ``nn.GELU``, biased plain ``nn.Linear`` layers (not FP8) and
+    no dropout or norm between them."""
+    fc1, fc2 = mlp.fc1, mlp.fc2
+    drop1_is_identity = isinstance(mlp.drop1, nn.Identity) or (isinstance(mlp.drop1, nn.Dropout) and not mlp.drop1.p)
+    if (x.device.type not in EPILOGUE_DEVICES or not isinstance(mlp.act, nn.GELU)
+            or mlp.act.approximate not in ("none", "tanh") or type(fc1) is not nn.Linear or type(fc2) is not nn.Linear
+            or fc1.bias is None or fc2.bias is None or not drop1_is_identity or not isinstance(mlp.norm, nn.Identity)):
+        return None
+    x, w1, b1 = (x, fc1.weight, fc1.bias) if norm is None else norm_linear_operands(x, norm, fc1, fold_affine)
+    operands = (x, w1, b1, fc2.weight, fc2.bias)
+    if torch.is_autocast_enabled(x.device.type):
+        if not all(t.dtype in AUTOCAST_CASTABLE for t in operands):
+            return None
+        dtype = torch.get_autocast_dtype(x.device.type)
+    elif len({t.dtype for t in operands}) == 1:
+        dtype = x.dtype
+    else:
+        return None  # F.linear refuses mixed dtypes: let it say so
+    if dtype not in HALF_DTYPES:
+        return None  # float32 keeps the exact erf GELU
+    x, w1, b1, w2, b2 = (t.to(dtype) for t in operands)
+    out = _GeluEpilogueMlp.apply(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2)
+    return mlp.drop2(out.view(*x.shape[:-1], out.shape[-1]))
 
 
 class _GeluLinear(torch.autograd.Function):
@@ -421,6 +498,10 @@ class SwinTransformerBlock(nn.Module):
             activation = fc1_gelu_epilogue(x, self.mlp.fc1, self.mlp.act)
             if activation is not None:
                 return self._mlp_out(activation)
+        elif self.fused_mlp_act:
+            out = mlp_with_gelu_epilogue(x, self.mlp, norm, self.fold_norm_affine)
+            if out is not None:
+                return out
         hidden = self.mlp.fc1(x) if norm is None else norm_linear(x, norm, self.mlp.fc1, self.fold_norm_affine)
         if self.recompute_mlp_act and torch.is_grad_enabled() and hidden.requires_grad:
             # Keep only fc1's output for backward and recompute GELU from it, instead of keeping both: the
@@ -658,7 +739,9 @@ class SwinTransformer(nn.Module):
         """On (the default): without gradients, in half precision on CUDA (bf16/fp16 evaluation and inference), each
         MLP's fc1 and GELU run as one cuBLASLt GEMM with its GELU epilogue (:func:`fc1_gelu_epilogue`: no
         stand-alone GELU pass over the hidden activation; tanh GELU on the fp32 accumulator, as accurate as the
-        unfused half path). Off: fc1 and the exact GELU always. Float32, the CPU and training steps are unaffected."""
+        unfused half path); with gradients (training), likewise, with fc1 recomputed in the backward instead of its
+        output kept (:func:`mlp_with_gelu_epilogue`). Off: fc1 and the exact GELU always. Float32 and the CPU are
+        unaffected."""
         for module in self.modules():
             if isinstance(module, SwinTransformerBlock):
                 module.fused_mlp_act = bool(enabled)
