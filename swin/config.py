@@ -46,8 +46,8 @@ class ModelConfig:
     name: str = key("architecture (swin.create_model name); the model= option sets it with the keys below")
     attention: str = key("window attention backend: auto (flash_window on CUDA, sdpa on the CPU) | flash_window | "
                          "sdpa | standard")
-    fused_mlp_act: bool = key("on CUDA in bf16/fp16: fc1 and GELU in one cuBLASLt GEMM (in training, fc1 is "
-                              "recomputed in the backward)")
+    fused_mlp_act: bool = key("on CUDA in bf16/fp16: fc1 and GELU in one cuBLASLt GEMM (in compiled training, fc1 "
+                              "is recomputed in the backward)")
     fused_merge_norm: bool = key("inference on CUDA: residual add, 2x2 patch merging and its norm in one kernel")
     pretrained: str | None = key("weights to start from: a file (timm, official Microsoft, train.py's) or "
                                  "timm:<name.tag>; the classifier is re-initialised if num_classes differs")

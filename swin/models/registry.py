@@ -91,11 +91,11 @@ def create_model(name: str, pretrained: str | bool | None = None, features_only:
     num_heads, drop_path_rate, drop_rate, mlp_ratio, in_chans, qkv_bias, dynamic_img_size,
     recompute_mlp_act (default True: the MLP GELU output is recomputed in backward, not saved), fused_mlp_act
     (default True: in bf16/fp16 on CUDA, fc1 and GELU as one cuBLASLt GEMM with its GELU epilogue; fc1_gelu_epilogue
-    without gradients, mlp_with_gelu_epilogue with), fused_merge_norm (default True: without gradients on CUDA, v1, each
-    stage's last residual add, the next patch merging and its LayerNorm as one kernel; kernels.merge_norm),
-    fold_norm_affine (default True: in compiled training graphs, v1's pre-norms' scale and shift folded into the
-    next Linear; norm_linear), and for Swin V2 (``swinv2_*``) pretrained_window_sizes (one per stage; 0: the
-    stage's own window).
+    without gradients, mlp_with_gelu_epilogue in compiled training), fused_merge_norm (default True: without
+    gradients on CUDA, v1, each stage's last residual add, the next patch merging and its LayerNorm as one kernel;
+    kernels.merge_norm), fold_norm_affine (default True: in compiled training graphs, v1's pre-norms' scale and
+    shift folded into the next Linear; norm_linear), and for Swin V2 (``swinv2_*``) pretrained_window_sizes (one
+    per stage; 0: the stage's own window).
     ``pretrained``: a checkpoint file (timm, official Microsoft or ours), or ``timm:<name.tag>``.
     """
     if name not in MODEL_CONFIGS:

@@ -185,7 +185,8 @@ def mlp_with_gelu_epilogue(x: torch.Tensor, mlp: Mlp, norm: nn.LayerNorm | None,
                            ) -> torch.Tensor | None:
     """``mlp(norm(x))`` (norm optional) for a training step through :class:`_GeluEpilogueMlp` (fc1 and GELU as one
     GEMM, fc1 recomputed in the backward), or None where that would not compute what the MLP computes (the caller
-    then runs it as written).
+    then runs it as written). The model calls it in compiled training graphs only, where inductor fuses the
+    backward's GELU and its derivative into one pass (eager mode keeps :func:`mlp_tail_recomputing_gelu`).
 
     Like :func:`fc1_gelu_epilogue` its GELU is the tanh approximation, so it runs in half precision only (autocast
     or half weights), on CUDA, for timm's ``Mlp`` with ``nn.GELU``, biased plain ``nn.Linear`` layers (not FP8) and
@@ -498,7 +499,7 @@ class SwinTransformerBlock(nn.Module):
             activation = fc1_gelu_epilogue(x, self.mlp.fc1, self.mlp.act)
             if activation is not None:
                 return self._mlp_out(activation)
-        elif self.fused_mlp_act:
+        elif self.fused_mlp_act and torch.compiler.is_compiling():
             out = mlp_with_gelu_epilogue(x, self.mlp, norm, self.fold_norm_affine)
             if out is not None:
                 return out
@@ -739,7 +740,7 @@ class SwinTransformer(nn.Module):
         """On (the default): without gradients, in half precision on CUDA (bf16/fp16 evaluation and inference), each
         MLP's fc1 and GELU run as one cuBLASLt GEMM with its GELU epilogue (:func:`fc1_gelu_epilogue`: no
         stand-alone GELU pass over the hidden activation; tanh GELU on the fp32 accumulator, as accurate as the
-        unfused half path); with gradients (training), likewise, with fc1 recomputed in the backward instead of its
+        unfused half path); in compiled training graphs, likewise, with fc1 recomputed in the backward instead of its
         output kept (:func:`mlp_with_gelu_epilogue`). Off: fc1 and the exact GELU always. Float32 and the CPU are
         unaffected."""
         for module in self.modules():
