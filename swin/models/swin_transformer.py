@@ -52,9 +52,9 @@ def fc1_gelu_epilogue(x: torch.Tensor, fc1: nn.Linear, act: nn.Module) -> torch.
     rounding. cuBLASLt's GELU is the tanh approximation (within 4.7e-4 of the exact erf GELU), below half precision's
     rounding of the output: against float64 exact GELU(fc1(x)) the epilogue's error is that of the unfused half
     path. So it runs only where the output is rounded to half precision anyway: on CUDA, in float16/bfloat16
-    (autocast, or half inputs and weights), without gradients (the fused op has no backward; training keeps fc1's
-    output for GELU's backward anyway), for ``nn.GELU`` after a biased fc1 (the epilogue adds the bias). Elsewhere
-    (CPU, float32, training) fc1 and the exact GELU run as written.
+    (autocast, or half inputs and weights), without gradients (the op has no backward: compiled training steps
+    take :func:`mlp_with_gelu_epilogue`), for ``nn.GELU`` after a biased fc1 (the epilogue adds the bias).
+    Elsewhere (CPU, float32, eager training) fc1 and the exact GELU run as written.
     """
     if (torch.is_grad_enabled() or x.device.type not in EPILOGUE_DEVICES or fc1.bias is None
             or type(fc1) is not nn.Linear  # e.g. FP8 (train.amp=fp8): its own forward computes something else
