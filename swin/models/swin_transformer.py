@@ -43,6 +43,31 @@ AUTOCAST_CASTABLE = (torch.float32, *HALF_DTYPES)  # what autocast casts for F.l
 MERGE_NORM_DEVICES: tuple[str, ...] = ("cuda",)
 
 
+def _half_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The tensors cast as autocast casts F.linear's arguments (as given without autocast), or None unless they then
+    share one half dtype: the precision in which cuBLASLt's tanh-GELU epilogue is as accurate as the unfused path.
+
+    Why: ``torch._addmm_activation`` is not on autocast's cast list. (is_autocast_enabled and get_autocast_dtype are
+    constants to dynamo: no graph break.)"""
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        if not all(t.dtype in AUTOCAST_CASTABLE for t in tensors):
+            return None
+        dtype = torch.get_autocast_dtype(device)
+        tensors = tuple(t.to(dtype) for t in tensors)
+    elif len({t.dtype for t in tensors}) != 1:
+        return None  # F.linear refuses mixed dtypes: let it say so
+    return tensors if tensors[0].dtype in HALF_DTYPES else None  # float32 keeps the exact erf GELU
+
+
+def _plain_gelu_tail(mlp: nn.Module) -> bool:
+    """Whether timm Mlp's layers after fc1 are exactly ``fc2(GELU(.))``: nn.GELU, a plain nn.Linear fc2 (not FP8),
+    and drop1 and norm that do nothing."""
+    drop1_is_identity = isinstance(mlp.drop1, nn.Identity) or (isinstance(mlp.drop1, nn.Dropout) and not mlp.drop1.p)
+    return (isinstance(mlp.act, nn.GELU) and type(mlp.fc2) is nn.Linear and drop1_is_identity
+            and isinstance(mlp.norm, nn.Identity))
+
+
 def fc1_gelu_epilogue(x: torch.Tensor, fc1: nn.Linear, act: nn.Module) -> torch.Tensor | None:
     """act(fc1(x)) as one GEMM with cuBLASLt's GELU epilogue (``torch._addmm_activation``), or None where that would
     not compute what fc1 followed by ``act`` computes (the caller then runs them unfused).
@@ -60,18 +85,10 @@ def fc1_gelu_epilogue(x: torch.Tensor, fc1: nn.Linear, act: nn.Module) -> torch.
             or type(fc1) is not nn.Linear  # e.g. FP8 (train.amp=fp8): its own forward computes something else
             or not isinstance(act, nn.GELU) or act.approximate not in ("none", "tanh")):
         return None
-    weight, bias = fc1.weight, fc1.bias
-    # _addmm_activation is not on autocast's cast list: cast as autocast casts F.linear's arguments
-    # (is_autocast_enabled and get_autocast_dtype are constants to dynamo: no graph break)
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        if not all(t.dtype in AUTOCAST_CASTABLE for t in (x, weight, bias)):
-            return None
-        x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
-    elif x.dtype != weight.dtype or x.dtype != bias.dtype:
-        return None  # F.linear refuses mixed dtypes: let it say so
-    if x.dtype not in HALF_DTYPES:
-        return None  # float32 keeps the exact erf GELU
+    operands = _half_operands(x, fc1.weight, fc1.bias)
+    if operands is None:
+        return None
+    x, weight, bias = operands
     y = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -192,24 +209,15 @@ def mlp_with_gelu_epilogue(x: torch.Tensor, mlp: Mlp, norm: nn.LayerNorm | None,
     or half weights), on CUDA, for timm's ``Mlp`` with ``nn.GELU``, biased plain ``nn.Linear`` layers (not FP8) and
     no dropout or norm between them."""
     fc1, fc2 = mlp.fc1, mlp.fc2
-    drop1_is_identity = isinstance(mlp.drop1, nn.Identity) or (isinstance(mlp.drop1, nn.Dropout) and not mlp.drop1.p)
-    if (x.device.type not in EPILOGUE_DEVICES or not isinstance(mlp.act, nn.GELU)
-            or mlp.act.approximate not in ("none", "tanh") or type(fc1) is not nn.Linear or type(fc2) is not nn.Linear
-            or fc1.bias is None or fc2.bias is None or not drop1_is_identity or not isinstance(mlp.norm, nn.Identity)):
+    if (x.device.type not in EPILOGUE_DEVICES or not _plain_gelu_tail(mlp)
+            or mlp.act.approximate not in ("none", "tanh") or type(fc1) is not nn.Linear
+            or fc1.bias is None or fc2.bias is None):
         return None
     x, w1, b1 = (x, fc1.weight, fc1.bias) if norm is None else norm_linear_operands(x, norm, fc1, fold_affine)
-    operands = (x, w1, b1, fc2.weight, fc2.bias)
-    if torch.is_autocast_enabled(x.device.type):
-        if not all(t.dtype in AUTOCAST_CASTABLE for t in operands):
-            return None
-        dtype = torch.get_autocast_dtype(x.device.type)
-    elif len({t.dtype for t in operands}) == 1:
-        dtype = x.dtype
-    else:
-        return None  # F.linear refuses mixed dtypes: let it say so
-    if dtype not in HALF_DTYPES:
-        return None  # float32 keeps the exact erf GELU
-    x, w1, b1, w2, b2 = (t.to(dtype) for t in operands)
+    operands = _half_operands(x, w1, b1, fc2.weight, fc2.bias)
+    if operands is None:
+        return None
+    x, w1, b1, w2, b2 = operands
     out = _GeluEpilogueMlp.apply(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2)
     return mlp.drop2(out.view(*x.shape[:-1], out.shape[-1]))
 
@@ -249,9 +257,7 @@ def mlp_tail_recomputing_gelu(mlp: nn.Module, hidden: torch.Tensor) -> torch.Ten
     backward, fc2 not), or None where it does not apply: under torch.compile (whose partitioner recomputes just the
     GELU of the caller's checkpoint), for an ``act`` other than ``nn.GELU``, an fc2 other than ``nn.Linear`` (FP8),
     or a drop1 or norm that is not the identity."""
-    drop1_is_identity = isinstance(mlp.drop1, nn.Identity) or (isinstance(mlp.drop1, nn.Dropout) and not mlp.drop1.p)
-    if (torch.compiler.is_compiling() or not isinstance(mlp.act, nn.GELU) or type(mlp.fc2) is not nn.Linear
-            or not drop1_is_identity or not isinstance(mlp.norm, nn.Identity)):
+    if torch.compiler.is_compiling() or not _plain_gelu_tail(mlp):
         return None
     return mlp.drop2(_GeluLinear.apply(hidden, mlp.fc2.weight, mlp.fc2.bias, mlp.act.approximate))
 
