@@ -812,16 +812,14 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
     row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
     mode = spec.compile_mode or cfg.compile_mode
     # ours as eval.py (inference) and train.py (training) compile it (swin.compile_model: the mode plus our inductor
-    # options for each); timm as its users do
+    # options), one compiled model for each; timm as its users do
     infer_run = train_run = model
     if spec.compile and spec.impl == "ours":
         inductor = dict(spec.inductor)
-        row["infer_inductor_options"] = inductor_options(mode, False, inductor, training=False)
-        row["train_inductor_options"] = inductor_options(mode, False, inductor, training=True)
+        row["inductor_options"] = inductor_options(mode, False, inductor)
         row["train_memory_budget"] = spec.memory_budget
-        infer_run = swin.compile_model(model, mode, dynamic=False, overrides=inductor, training=False)
-        train_run = swin.compile_model(model, mode, dynamic=False, overrides=inductor, training=True,
-                                       memory_budget=spec.memory_budget)
+        infer_run = swin.compile_model(model, mode, dynamic=False, overrides=inductor)
+        train_run = swin.compile_model(model, mode, dynamic=False, overrides=inductor, memory_budget=spec.memory_budget)
     elif spec.compile:
         infer_run = train_run = torch.compile(model, mode=mode, dynamic=False)
     x_all, y_all = data

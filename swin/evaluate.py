@@ -94,7 +94,7 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device | str =
     shard: every sum is all-reduced, so all processes get the whole set's numbers.
     ``total``: number of images on this process, for the progress bar.
     ``amp``: None/'fp32', 'bf16' or 'fp16' autocast ('fp8': bf16); logits are upcast to fp32 for loss and ranking.
-    ``compiled``: the compiled model (``swin.compile_model(model, mode, training=False)``), run on the batches of
+    ``compiled``: the compiled model (``swin.compile_model(model, mode)``), run on the batches of
     the first batch's size; another size (the last, partial batch) runs ``model`` eagerly rather than compiling a
     second graph. The result's compile_seconds is the first batch's time with it (compiling included).
     """
@@ -331,7 +331,7 @@ def run_eval(cfg: EvalAppConfig | DictConfig, run_dir: str | os.PathLike,
             log.info(f"torch.compile: {mode} mode (compiles during the first batch)" if mode
                      else f"torch.compile: off{why}")
         metrics = evaluate(model, loader, device=dist.device, amp=amp, progress=cfg.progress and dist.is_main,
-                           total=shard, compiled=compile_model(model, mode, training=False) if mode else None)
+                           total=shard, compiled=compile_model(model, mode) if mode else None)
         if dist.is_main and metrics["compile_seconds"] is not None:
             log.info(f"torch.compile: the first batch took {metrics['compile_seconds']:.1f} s, compiling included")
         folder = as_folder(data_cfg)

@@ -232,7 +232,8 @@ def test_benchmark_fused_gelu_rows(tmp_path):
 def test_grid_rows_take_inductor_options(monkeypatch):
     """A row's inductor options (nested keys joined as inductor names them) reach swin.compile_model over ours,
     are recorded with the row and label it; the row compiles its inference step as eval.py does and its training
-    step as train.py does; timm's rows refuse them, and an unknown name is one ValueError."""
+    step as train.py does (two compiled models, the same options); timm's rows refuse them, and an unknown name is
+    one ValueError."""
     from hydra import compose, initialize_config_dir
 
     import scripts.benchmark as bench
@@ -252,13 +253,11 @@ def test_grid_rows_take_inductor_options(monkeypatch):
     side = arch["img_size"]  # swin_micro: one int
     data = (torch.randn(2, 3, side, side), torch.zeros(2, dtype=torch.long))
     steps = bench.build_row(tuned, name, arch, cfg, torch.device("cpu"), data)
-    train = {"triton.cudagraphs": True, "triton.mix_order_reduction": False}
-    from swin.models.compiling import LAUNCH_BOUND_OPTIONS  # ours for inference (combo kernels)
+    from swin.models.compiling import LAUNCH_BOUND_OPTIONS  # ours (combo kernels)
 
-    infer = {"triton.cudagraphs": True, **LAUNCH_BOUND_OPTIONS, "triton.mix_order_reduction": False}
-    assert compiled_with == [{"dynamic": False, "fullgraph": False, "options": infer},
-                             {"dynamic": False, "fullgraph": False, "options": train}]
-    assert steps.info["infer_inductor_options"] == infer and steps.info["train_inductor_options"] == train
+    options = {"triton.cudagraphs": True, **LAUNCH_BOUND_OPTIONS, "triton.mix_order_reduction": False}
+    assert compiled_with == [{"dynamic": False, "fullgraph": False, "options": options}] * 2
+    assert steps.info["inductor_options"] == options
     assert steps.info["inductor"] == tuned.inductor
     from omegaconf import OmegaConf
 

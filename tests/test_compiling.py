@@ -24,19 +24,17 @@ def compile_calls(monkeypatch):
 
 @pytest.mark.parametrize("mode", [None, "default", "reduce-overhead", "max-autotune"])
 @pytest.mark.parametrize(("dynamic", "fullgraph"), [(False, False), (None, True), (True, False)])
-@pytest.mark.parametrize("training", [True, False])
-def test_compile_model_adds_our_options_to_the_mode(compile_calls, mode, dynamic, fullgraph, training):
-    """Combo kernels on top of the mode's options, except for training under CUDA graphs."""
+def test_compile_model_adds_our_options_to_the_mode(compile_calls, mode, dynamic, fullgraph):
+    """Combo kernels on top of every mode's options, CUDA graphs' included."""
     model = torch.nn.Linear(4, 4)
-    compiled = swin.compile_model(model, mode, dynamic=dynamic, fullgraph=fullgraph, training=training)
+    compiled = swin.compile_model(model, mode, dynamic=dynamic, fullgraph=fullgraph)
     assert compiled is not model and compiled._orig_mod is model
     (kwargs,) = compile_calls
     graphs = mode in ("reduce-overhead", "max-autotune")
-    expected = {**torch._inductor.list_mode_options(mode or "default", dynamic),
-                **({} if training and graphs else LAUNCH_BOUND_OPTIONS)}
+    expected = {**torch._inductor.list_mode_options(mode or "default", dynamic), **LAUNCH_BOUND_OPTIONS}
     assert kwargs["options"] == expected and "mode" not in kwargs
     assert kwargs["dynamic"] is dynamic and kwargs["fullgraph"] is fullgraph
-    assert expected.get("combo_kernels", False) is not (training and graphs)  # torch 2.14 combines dynamic ones
+    assert expected["combo_kernels"] is True  # torch 2.14 combines dynamic ones
     assert expected.get("triton.cudagraphs", False) == graphs
 
 
@@ -46,9 +44,9 @@ def test_dynamic_shapes_drop_combo_kernels_where_torch_cannot_combine_them(monke
     from swin.models import compiling
 
     monkeypatch.setattr(compiling, "combo_kernels_take_dynamic_reductions", lambda: False)
-    options = compiling.inductor_options("reduce-overhead", dynamic=True, training=False)
+    options = compiling.inductor_options("reduce-overhead", dynamic=True)
     assert not any(k.startswith("combo_kernel") for k in options) and options["triton.cudagraphs"] is True
-    assert compiling.inductor_options("reduce-overhead", dynamic=False, training=False)["combo_kernels"] is True
+    assert compiling.inductor_options("reduce-overhead", dynamic=False)["combo_kernels"] is True
     assert compiling.inductor_options("default", dynamic=None)["combo_kernels"] is True
     assert "combo_kernels" not in compiling.inductor_options("default", dynamic=True)
     forced = compiling.inductor_options("default", dynamic=True, overrides={"combo_kernels": True})
@@ -85,7 +83,7 @@ def test_train_setup_compiles_through_compile_model(compile_calls, tmp_path, ove
     cfg = make_cfg(*DET, "device=cpu", "train.compile=true", "train.compile_mode=reduce-overhead", *overrides)
     run = setup(to_settings(cfg), tmp_path, DistInfo(0, 0, 1, torch.device("cpu")))
     (kwargs,) = compile_calls
-    expected = {"triton.cudagraphs": True}  # a training compile: no inference options
+    expected = {"triton.cudagraphs": True, **LAUNCH_BOUND_OPTIONS}
     if overrides:
         expected.update({"combo_kernels": True, "triton.mix_order_reduction": False})
     assert kwargs["options"] == expected
@@ -158,7 +156,7 @@ def test_train_setup_passes_its_memory_budget(compile_calls, tmp_path):
     (kwargs,) = compile_calls
     backend = kwargs["backend"]
     assert isinstance(backend, _InductorWithMemoryBudget) and backend.budget == 0.6
-    assert backend.config == {"triton.cudagraphs": True}  # the mode's options, as without a budget
+    assert backend.config == {"triton.cudagraphs": True, **LAUNCH_BOUND_OPTIONS}  # the options without a budget
     assert run.fwd_model._orig_mod is run.raw_model
     with pytest.raises(ConfigError, match=r"^train.memory_budget=1.5: use a fraction in \(0, 1\]"):
         check_config(make_cfg("train.memory_budget=1.5"), 1, torch.device("cpu"))

@@ -135,8 +135,8 @@ def test_eval_timm_and_microsoft_checkpoints(digits_val, tmp_path, layout):
 
 
 def test_eval_compiles_for_inference(digits_val, tmp_path, monkeypatch):
-    """eval.py compiles through swin.compile_model with training=False (its inference options); the compiled
-    model's metrics are the model's (the spy hands the model back uncompiled)."""
+    """eval.py compiles through swin.compile_model in its mode; the compiled model's metrics are the model's (the
+    spy hands the model back uncompiled)."""
     import swin.evaluate
 
     ref, _, y, logits = digits_val
@@ -146,7 +146,7 @@ def test_eval_compiles_for_inference(digits_val, tmp_path, monkeypatch):
     cfg = eval_cfg(f"checkpoint={tmp_path / 'ckpt.pth'}", "model=swin_micro", "data=digits", "batch_size=37",
                    "progress=false", "device=cpu", "compile=true")
     res = run_eval(cfg, tmp_path, {"model", "data"})
-    assert calls == [("default", {"training": False})]
+    assert calls == [("default", {})]
     assert res["top1"] == pytest.approx(reference_metrics(logits, y)[0], abs=1e-4)
 
 

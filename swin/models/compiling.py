@@ -10,12 +10,11 @@ import torch
 import torch._inductor
 import torch.nn as nn
 
-# Inductor options on top of the compile mode's where the step is bound by its launches: inference (eval.py), and
-# training without CUDA graphs (the default mode launches every kernel from the host). combo_kernels fuses
-# independent small kernels side by side (autocast's casts of the weights and biases among them), so fewer
-# launches; combo_kernel_per_subkernel_blocks gives each of them its own block sizes, without which the combined
-# kernels cost the training step GPU time. A training step replayed as CUDA graphs is not given them: it launches
-# nothing from the host (docs/performance.md).
+# Inductor options on top of every compile mode's. combo_kernels fuses independent small kernels side by side
+# (autocast's casts of the weights and biases and their gradients among them), so fewer launches: less host time
+# where the host launches each kernel (the default mode), fewer gaps between kernels on the GPU under CUDA graphs
+# too (small batches gain most); combo_kernel_per_subkernel_blocks gives each of them its own block sizes, without
+# which the combined kernels cost a large training step GPU time (docs/performance.md).
 LAUNCH_BOUND_OPTIONS: Mapping[str, object] = types.MappingProxyType(
     {"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True})
 
@@ -42,10 +41,9 @@ def flat_options(options: Mapping[str, object], prefix: str = "") -> dict[str, o
 
 
 def inductor_options(mode: str | None = "default", dynamic: bool | None = None,
-                     overrides: Mapping[str, object] | None = None, training: bool = True) -> dict[str, object]:
-    """The options compile_model passes: the mode's (torch._inductor.list_mode_options), then, unless ``training``
-    under CUDA graphs, LAUNCH_BOUND_OPTIONS (without combo kernels for dynamic=True where this torch cannot combine
-    dynamic reductions), then `overrides`
+                     overrides: Mapping[str, object] | None = None) -> dict[str, object]:
+    """The options compile_model passes: the mode's (torch._inductor.list_mode_options), then LAUNCH_BOUND_OPTIONS
+    (without combo kernels for dynamic=True where this torch cannot combine dynamic reductions), then `overrides`
     (inductor config names, e.g. ``{"combo_kernels": False, "triton.mix_order_reduction": False}``; nested
     mappings, as a Hydra override makes them, join their keys with dots). ValueError for an unknown mode (listing
     the modes) or an override that is not an inductor option of this torch."""
@@ -54,7 +52,7 @@ def inductor_options(mode: str | None = "default", dynamic: bool | None = None,
         options = torch._inductor.list_mode_options(mode, dynamic)
     except RuntimeError as e:  # torch's message lists the modes
         raise ValueError(f"torch.compile mode {mode!r}: {e}") from None
-    ours = {} if training and options.get("triton.cudagraphs") else dict(LAUNCH_BOUND_OPTIONS)
+    ours = dict(LAUNCH_BOUND_OPTIONS)
     if "combo_kernels" in ours and dynamic is True and not combo_kernels_take_dynamic_reductions():
         ours = {k: v for k, v in ours.items() if not k.startswith("combo_kernel")}
     overrides = flat_options(overrides or {})
@@ -90,17 +88,16 @@ class _InductorWithMemoryBudget(torch._TorchCompileInductorWrapper):
 
 def compile_model(model: nn.Module, mode: str | None = "default", dynamic: bool | None = None,
                   fullgraph: bool = False, overrides: Mapping[str, object] | None = None,
-                  training: bool = True, memory_budget: float | None = None) -> nn.Module:
+                  memory_budget: float | None = None) -> nn.Module:
     """``torch.compile(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph)`` with :func:`inductor_options`.
 
     torch.compile takes a mode or options, not both: the mode is expanded into its options and ours are added.
     mode: a torch.compile mode (``default``, ``reduce-overhead``, ``max-autotune``, ...; None: ``default``).
-    overrides: inductor options that replace ours or the mode's (inductor_options). training: False for a model
-    that only runs inference (eval.py); our options depend on it (inductor_options). memory_budget: None (torch's
+    overrides: inductor options that replace ours or the mode's (inductor_options). memory_budget: None (torch's
     default), or a fraction in (0, 1] of the activations the default partition saves for the backward: below 1
     the partitioner recomputes cheap ops in the backward instead of saving their outputs (less memory, some
     recompute); ValueError outside (0, 1]."""
-    options = inductor_options(mode, dynamic, overrides, training)
+    options = inductor_options(mode, dynamic, overrides)
     if memory_budget is None:
         return torch.compile(model, dynamic=dynamic, fullgraph=fullgraph, options=options)
     check_memory_budget(memory_budget)
