@@ -9,6 +9,9 @@ Per row, on the same synthetic data (random images and labels, fixed seed):
 * inference: ``model.eval()``, ``torch.no_grad()``, forward only;
 * training: a full step: forward and cross-entropy loss under autocast, backward (with a grad scaler for
   fp16), AdamW step (fused on CUDA), ``zero_grad(set_to_none=True)``;
+* with ``steps.fwd_bwd=true`` (``grid=backbone``), also the training step without ``opt.step()``: forward,
+  loss, backward, ``zero_grad`` (``fwd_bwd_img_s``; the "fwd+bwd" columns), what a backbone's own share of a
+  detector's step is, measured after the training step on its compiled graphs;
 * each measured as: warm-up steps (untimed; they include torch.compile), then ``repeats`` x ``timed``
   steps, synchronised before and after each repeat; images/s is the median over the repeats. Peak memory
   is ``torch.cuda.max_memory_allocated`` from the second step on (weights, optimizer state and data included;
@@ -168,6 +171,8 @@ class BenchStepsConfig:
     repeats: int = MISSING
     # the rows of one batch size and precision timed again in turn (interleave_rows); grid=eager sets it
     interleave: bool = False
+    # also time forward + loss + backward without the optimizer step (fwd_bwd_*; grid=backbone sets it)
+    fwd_bwd: bool = False
 
 
 @dataclass
@@ -788,6 +793,7 @@ class RowSteps:
     model: nn.Module
     infer: Callable[[], object]
     train: Callable[..., None]  # train(marks=None): see host_phases
+    fwd_bwd: Callable[[], None]  # the training step without optimizer.step(): forward, loss, backward, zero_grad
     amp: Callable[[], contextlib.AbstractContextManager]
     images: torch.Tensor
     info: dict[str, Any]
@@ -868,24 +874,36 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
         last_loss[:] = [loss.detach()]
         mark()
 
-    return RowSteps(model, infer_step, train_step, amp, x, row, last_loss)
+    def fwd_bwd_step() -> None:
+        with amp():
+            out = train_run(x)
+            loss = features_loss(out) if cfg.features_only else F.cross_entropy(out, y)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        opt.zero_grad(set_to_none=True)
+
+    return RowSteps(model, infer_step, train_step, fwd_bwd_step, amp, x, row, last_loss)
 
 
 def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, device: torch.device,
             data: tuple[torch.Tensor, torch.Tensor], out_dir: Path) -> dict[str, Any]:
-    """Inference then training measurements of one row (the caller frees memory afterwards)."""
+    """Inference then training measurements of one row, then the training step's forward and backward alone where
+    ``steps.fwd_bwd`` asks for them (row_modes; the caller frees memory afterwards)."""
     built = build_row(spec, name, arch, cfg, device, data)
     model, row = built.model, built.info
     steps = cfg.steps
     profile = cfg.profile
     trace_dir = out_dir / "traces" if profile.trace else None
     slug = re.sub(r"[^\w]+", "_", spec.label)
-    for mode, step in (("infer", built.infer), ("train", built.train)):
-        model.train(mode == "train")
+    for mode in row_modes(cfg):
+        step = getattr(built, mode)
+        model.train(mode != "infer")
         if mode == "train" and spec.compile:
             # the inference graphs (and their CUDA-graph pool) go first: the training peak is the step's own
             _free(device)
         result = measure(step, spec.batch_size, device, steps.warmup, steps.timed, steps.repeats)
+        if mode == "fwd_bwd":  # the training step's graphs again: its img/s and peak, nothing more
+            row.update({f"fwd_bwd_{k}": result[k] for k in ("img_s", "step_ms", "repeats_img_s", "peak_gib")})
+            continue
         if profile.enabled:
             trace = trace_dir / f"{slug}_{mode}.json" if trace_dir else None
             result.update(profile_attention(step, profile.steps, device, trace, profile.get("top_kernels", 0),
@@ -901,6 +919,12 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
         row.update({f"{mode}_{k}": v for k, v in result.items()})
     row["train_loss"] = built.last_loss[0].float().item()
     return row
+
+
+def row_modes(cfg: DictConfig) -> tuple[str, ...]:
+    """The steps each row times, in order (RowSteps' attribute names): the training step's forward and backward
+    alone (fwd_bwd) where ``steps.fwd_bwd`` asks for it, after the training step, whose graphs it reuses."""
+    return ("infer", "train", "fwd_bwd") if cfg.steps.get("fwd_bwd", False) else ("infer", "train")
 
 
 def interleave_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str, arch: dict[str, Any],
@@ -923,7 +947,7 @@ def interleave_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str,
         limit = max(16 * len(group), torch._dynamo.config.recompile_limit)
         with torch._dynamo.config.patch(recompile_limit=limit):
             built = [build_row(spec, name, arch, cfg, device, data) for spec, _ in group]
-            for mode in ("infer", "train"):
+            for mode in row_modes(cfg):
                 rates = _rates_in_turn([spec for spec, _ in group], built, mode, batch, cfg.steps, device)
                 for (_, row), row_rates in zip(group, rates):
                     row[f"{mode}_img_s_sequential"] = row[f"{mode}_img_s"]
@@ -934,9 +958,9 @@ def interleave_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str,
 
 def _rates_in_turn(specs: list[RowSpec], built: list[RowSteps], mode: str, batch: int, steps: DictConfig,
                    device: torch.device) -> list[list[float]]:
-    """Each row's ``mode`` step ("infer" or "train") warmed up, then img/s per repeat, the rows in turn."""
+    """Each row's ``mode`` step ("infer", "train" or "fwd_bwd") warmed up, then img/s per repeat, the rows in turn."""
     for spec, b in zip(specs, built):
-        b.model.train(mode == "train")
+        b.model.train(mode != "infer")
         with sdpa_backends(spec):
             for _ in range(steps.warmup):
                 getattr(b, mode)()
@@ -971,11 +995,16 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         r["train_speedup_vs_best_timm"] = r["train_img_s"] / fastest_train["train_img_s"]
         if r.get("train_peak_gib") and fastest_train.get("train_peak_gib"):
             r["train_mem_vs_fastest_timm"] = r["train_peak_gib"] / fastest_train["train_peak_gib"]
+        if r.get("fwd_bwd_img_s") and all(p.get("fwd_bwd_img_s") for p in peers):
+            r["fwd_bwd_speedup_vs_best_timm"] = r["fwd_bwd_img_s"] / max(p["fwd_bwd_img_s"] for p in peers)
 
 
 def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
     cols = ["implementation", "attention", "compile", "batch", "precision", "infer img/s", "train img/s",
             "infer peak GiB", "train peak GiB", "infer x best timm", "train x best timm", "train mem / fastest timm"]
+    fwd_bwd = any(r.get("fwd_bwd_img_s") for r in rows)
+    if fwd_bwd:  # steps.fwd_bwd: the training step without its optimizer step
+        cols += ["fwd+bwd img/s", "fwd+bwd x best timm"]
     if profiled:
         cols += ["attn % infer step", "attn % train step"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -993,6 +1022,8 @@ def markdown_table(rows: list[dict[str, Any]], profiled: bool) -> str:
             _fmt(r.get("infer_peak_gib"), ".2f"), _fmt(r.get("train_peak_gib"), ".2f"),
             _fmt(r.get("infer_speedup_vs_best_timm"), ".2f"), _fmt(r.get("train_speedup_vs_best_timm"), ".2f"),
             _fmt(r.get("train_mem_vs_fastest_timm"), ".2f")]
+        if fwd_bwd:
+            cells += [_fmt(r.get("fwd_bwd_img_s"), ",.0f"), _fmt(r.get("fwd_bwd_speedup_vs_best_timm"), ".2f")]
         if profiled:
             cells += [_fmt(100 * r["infer_attention_frac_of_step"] if r.get("infer_attention_frac_of_step")
                            is not None else None, ".1f"),
@@ -1187,7 +1218,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             print(f"[{i + 1}/{len(specs)}] {spec.label}: ERROR {row['error']}", flush=True)
         else:
             print(f"[{i + 1}/{len(specs)}] {spec.label}: infer {row['infer_img_s']:,.1f} img/s, "
-                  f"train {row['train_img_s']:,.1f} img/s, peak {_fmt(row['train_peak_gib'], '.2f')} GiB "
+                  f"train {row['train_img_s']:,.1f} img/s, "
+                  + (f"fwd+bwd {row['fwd_bwd_img_s']:,.1f} img/s, " if "fwd_bwd_img_s" in row else "")
+                  + f"peak {_fmt(row['train_peak_gib'], '.2f')} GiB "
                   f"(first step {_fmt(row['train_first_step_peak_gib'], '.2f')}) "
                   f"({row['row_s']:.0f} s, first train step {row['train_first_step_s']:.1f} s)", flush=True)
         add_comparisons(rows)

@@ -194,6 +194,40 @@ def test_benchmark_backbone_rows(tmp_path):
     assert ours["params_m"] < sum(p.numel() for p in classifier.parameters()) / 1e6
     for r in (ours, ref):
         assert positive(r["infer_img_s"]) and positive(r["train_img_s"]) and math.isfinite(r["train_loss"])
+        assert positive(r["fwd_bwd_img_s"])  # grid=backbone times forward+backward alone too
+    assert ours["fwd_bwd_speedup_vs_best_timm"] == pytest.approx(ours["fwd_bwd_img_s"] / ref["fwd_bwd_img_s"])
+    header = result["table"].splitlines()[0]
+    assert "fwd+bwd img/s" in header and "fwd+bwd x best timm" in header
+
+
+def test_fwd_bwd_step_computes_gradients_and_leaves_the_weights():
+    """The fwd_bwd step is the training step without opt.step(): every parameter gets a gradient (seen by a hook),
+    none is changed and the gradients are released; the training step changes them."""
+    from hydra import compose, initialize_config_dir
+
+    import scripts.benchmark as bench
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("benchmark", overrides=["model=swin_micro", "device=cpu", "grid=backbone",
+                                              "model.img_size=[64,96]", "grid.rows=[{impl:ours,attention:sdpa}]",
+                                              "grid.batch_size=[2]", "grid.precision=[fp32]"])
+    assert bench.row_modes(cfg) == ("infer", "train", "fwd_bwd")
+    (spec,) = bench.expand_grid(cfg.grid)
+    name, arch = bench.architecture(cfg.model)
+    data = (torch.randn(2, 3, 64, 96), torch.randint(0, 10, (2,)))
+    steps = bench.build_row(spec, name, arch, cfg, torch.device("cpu"), data)
+    params = list(steps.model.parameters())
+    before = [p.detach().clone() for p in params]
+    grads: list[torch.Tensor] = []
+    handles = [p.register_hook(lambda g: grads.append(g)) for p in params]
+    steps.fwd_bwd()
+    for handle in handles:
+        handle.remove()
+    assert len(grads) == len(params) and all(torch.isfinite(g).all() for g in grads)
+    assert sum(g.abs().sum() for g in grads) > 0
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and all(p.grad is None for p in params)
+    steps.train()
+    assert not all(torch.equal(p, b) for p, b in zip(params, before))
 
 
 def test_benchmark_fused_gelu_rows(tmp_path):

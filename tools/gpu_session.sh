@@ -31,6 +31,8 @@
 #   BACKBONE_MODELS=t bash tools/gpu_session.sh backbone  # features_only models at 800x1216 against timm's
 #                                       # (grid=backbone): Swin-T (t), Swin-B 384 at window 12 (b384), Swin V2-T at
 #                                       # 768x1280 (v2t); all three by default, more than one call's ten minutes
+#                                       # (BACKBONE_ARGS: more overrides, no spaces within one, e.g. grid.batch_size=[2]
+#                                       # steps.interleave=true grid.rows=[{impl:ours,...},{impl:timm,...}], no quotes)
 #   SCALING_PROCS="1 2" bash tools/gpu_session.sh scaling  # scripts/bench_scaling.py: train.py's step under torchrun
 #                                       # per process count, CUDA graphs and default compile (SCALING_MODEL, default
 #                                       # swin_tiny_patch4_window7_224; SCALING_BATCH per process, default 128;
@@ -236,7 +238,7 @@ synthetic_recipe; print(' '.join(synthetic_recipe(sys.argv[1:], Path('$R/synthet
         *) echo "BACKBONE_MODELS: unknown model '$m' (t, b384 or v2t)" >&2; exit 2 ;;
       esac
       python scripts/benchmark.py grid=backbone $args out_dir="$OUT/backbone_$m" \
-        ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S}
+        ${E2E_BUDGET_S:+time_budget_s=$E2E_BUDGET_S} ${BACKBONE_ARGS:-}
     done ;;
   data)
     # the pipeline's GPU tests, then the batched crop kernel on CUDA (its CPU tests run it in the interpreter)
