@@ -437,7 +437,8 @@ def measure(step: Callable[[], object], batch: int, device: torch.device, warmup
     Peak memory (``peak_gib``) counts from the second step on: CUDA-graph rows (compile_mode=reduce-overhead)
     allocate their memory pool while recording during warm-up and reuse it afterwards, so a peak taken over the
     timed steps alone would miss it. The first step's own peak (``first_step_peak_gib``) is apart: it includes
-    what compiling allocates, once per run.
+    what compiling allocates, once per run. ``timed_gc``: Python's garbage collections during the timed steps (count
+    and ms, per generation), which a host-bound step waits for.
     """
     _sync(device)
     _reset_peak(device)
@@ -450,9 +451,38 @@ def measure(step: Callable[[], object], batch: int, device: torch.device, warmup
     for _ in range(max(warmup - 1, 0)):
         step()
     _sync(device)
-    rates = [_images_per_s(step, batch, device, timed) for _ in range(repeats)]
+    with GcTimes() as collections:
+        rates = [_images_per_s(step, batch, device, timed) for _ in range(repeats)]
     return dict(_rates_result(rates, batch), first_step_s=first_s, peak_gib=_peak_gib(device),
-                first_step_peak_gib=first_peak)
+                first_step_peak_gib=first_peak, timed_gc=collections.summary())
+
+
+class GcTimes:
+    """Python's garbage collections while the block runs: how many of each generation, and how long they took."""
+
+    def __enter__(self) -> GcTimes:
+        self.durations: list[tuple[int, float]] = []
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.durations.append((info["generation"], time.perf_counter() - self._start))
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """{"gen2": {"count": 3, "ms": 41.2}, ...} for the generations that collected."""
+        out: dict[str, dict[str, float]] = {}
+        for generation, seconds in self.durations:
+            entry = out.setdefault(f"gen{generation}", {"count": 0, "ms": 0.0})
+            entry["count"] += 1
+            entry["ms"] += 1e3 * seconds
+        return out
 
 
 def _images_per_s(step: Callable[[], object], batch: int, device: torch.device, timed: int) -> float:
@@ -1222,7 +1252,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                   + (f"fwd+bwd {row['fwd_bwd_img_s']:,.1f} img/s, " if "fwd_bwd_img_s" in row else "")
                   + f"peak {_fmt(row['train_peak_gib'], '.2f')} GiB "
                   f"(first step {_fmt(row['train_first_step_peak_gib'], '.2f')}) "
-                  f"({row['row_s']:.0f} s, first train step {row['train_first_step_s']:.1f} s)", flush=True)
+                  f"({row['row_s']:.0f} s, first train step {row['train_first_step_s']:.1f} s)"
+                  + "".join(f", {mode} {gen} collections {v['count']} ({v['ms']:.1f} ms)"
+                            for mode in ("infer", "train") for gen, v in row.get(f"{mode}_timed_gc", {}).items()
+                            if gen == "gen2"), flush=True)
         add_comparisons(rows)
         write_outputs(out_dir, result, report_tables(rows, cfg.profile.enabled))  # partial results survive
 

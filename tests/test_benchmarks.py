@@ -200,6 +200,22 @@ def test_benchmark_backbone_rows(tmp_path):
     assert "fwd+bwd img/s" in header and "fwd+bwd x best timm" in header
 
 
+def test_gc_times_counts_the_collections_in_its_block():
+    """GcTimes sees a full collection made inside it (generation 2, a positive duration) and none after it."""
+    import gc
+
+    import scripts.benchmark as bench
+
+    with bench.GcTimes() as times:
+        junk = [[i] for i in range(10_000)]
+        del junk
+        gc.collect()
+    summary = times.summary()
+    assert summary["gen2"]["count"] >= 1 and summary["gen2"]["ms"] > 0
+    gc.collect()
+    assert times.summary() == summary
+
+
 def test_fwd_bwd_step_computes_gradients_and_leaves_the_weights():
     """The fwd_bwd step is the training step without opt.step(): every parameter gets a gradient (seen by a hook),
     none is changed and the gradients are released; the training step changes them."""
