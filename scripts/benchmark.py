@@ -104,6 +104,7 @@ sys.path.insert(0, str(ROOT))
 
 import collections  # noqa: E402
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -823,7 +824,7 @@ class RowSteps:
     model: nn.Module
     infer: Callable[[], object]
     train: Callable[..., None]  # train(marks=None): see host_phases
-    fwd_bwd: Callable[[], None]  # the training step without optimizer.step(): forward, loss, backward, zero_grad
+    fwd_bwd: Callable[[], None]  # train(update=False): forward, loss, backward, zero_grad
     amp: Callable[[], contextlib.AbstractContextManager]
     images: torch.Tensor
     info: dict[str, Any]
@@ -877,9 +878,9 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     last_loss: list[torch.Tensor] = []
 
-    def train_step(marks: list[int] | None = None) -> None:
+    def train_step(marks: list[int] | None = None, update: bool = True) -> None:
         """One step; marks: where given, the process CPU time (ns) is appended before and after each of
-        HOST_PHASES."""
+        HOST_PHASES. update=False: no optimizer step (forward, loss, backward, zero_grad: the fwd_bwd step)."""
         def mark() -> None:
             if marks is not None:
                 marks.append(time.process_time_ns())
@@ -890,28 +891,20 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
             mark()
             loss = features_loss(out) if cfg.features_only else F.cross_entropy(out, y)
         mark()
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            mark()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        mark()
+        if update and scaler is not None:
             scaler.step(opt)
             scaler.update()
-        else:
-            loss.backward()
-            mark()
+        elif update:
             opt.step()
         mark()
         opt.zero_grad(set_to_none=True)
         last_loss[:] = [loss.detach()]
         mark()
 
-    def fwd_bwd_step() -> None:
-        with amp():
-            out = train_run(x)
-            loss = features_loss(out) if cfg.features_only else F.cross_entropy(out, y)
-        (loss if scaler is None else scaler.scale(loss)).backward()
-        opt.zero_grad(set_to_none=True)
-
-    return RowSteps(model, infer_step, train_step, fwd_bwd_step, amp, x, row, last_loss)
+    return RowSteps(model, infer_step, train_step, functools.partial(train_step, update=False), amp, x, row,
+                    last_loss)
 
 
 def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, device: torch.device,

@@ -303,9 +303,9 @@ def test_grid_rows_take_inductor_options(monkeypatch):
     side = arch["img_size"]  # swin_micro: one int
     data = (torch.randn(2, 3, side, side), torch.zeros(2, dtype=torch.long))
     steps = bench.build_row(tuned, name, arch, cfg, torch.device("cpu"), data)
-    from swin.models.compiling import LAUNCH_BOUND_OPTIONS  # ours (combo kernels)
+    from swin.models.compiling import COMBO_KERNEL_OPTIONS  # ours (combo kernels)
 
-    options = {"triton.cudagraphs": True, **LAUNCH_BOUND_OPTIONS, "triton.mix_order_reduction": False}
+    options = {"triton.cudagraphs": True, **COMBO_KERNEL_OPTIONS, "triton.mix_order_reduction": False}
     assert compiled_with == [{"dynamic": False, "fullgraph": False, "options": options}] * 2
     assert steps.info["inductor_options"] == options
     assert steps.info["inductor"] == tuned.inductor

@@ -5,7 +5,7 @@ import torch
 import torch._inductor
 
 import swin
-from swin.models.compiling import LAUNCH_BOUND_OPTIONS
+from swin.models.compiling import COMBO_KERNEL_OPTIONS
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def test_compile_model_adds_our_options_to_the_mode(compile_calls, mode, dynamic
     assert compiled is not model and compiled._orig_mod is model
     (kwargs,) = compile_calls
     graphs = mode in ("reduce-overhead", "max-autotune")
-    expected = {**torch._inductor.list_mode_options(mode or "default", dynamic), **LAUNCH_BOUND_OPTIONS}
+    expected = {**torch._inductor.list_mode_options(mode or "default", dynamic), **COMBO_KERNEL_OPTIONS}
     assert kwargs["options"] == expected and "mode" not in kwargs
     assert kwargs["dynamic"] is dynamic and kwargs["fullgraph"] is fullgraph
     assert expected["combo_kernels"] is True  # torch 2.14 combines dynamic ones
@@ -83,7 +83,7 @@ def test_train_setup_compiles_through_compile_model(compile_calls, tmp_path, ove
     cfg = make_cfg(*DET, "device=cpu", "train.compile=true", "train.compile_mode=reduce-overhead", *overrides)
     run = setup(to_settings(cfg), tmp_path, DistInfo(0, 0, 1, torch.device("cpu")))
     (kwargs,) = compile_calls
-    expected = {"triton.cudagraphs": True, **LAUNCH_BOUND_OPTIONS}
+    expected = {"triton.cudagraphs": True, **COMBO_KERNEL_OPTIONS}
     if overrides:
         expected.update({"combo_kernels": True, "triton.mix_order_reduction": False})
     assert kwargs["options"] == expected
@@ -156,7 +156,7 @@ def test_train_setup_passes_its_memory_budget(compile_calls, tmp_path):
     (kwargs,) = compile_calls
     backend = kwargs["backend"]
     assert isinstance(backend, _InductorWithMemoryBudget) and backend.budget == 0.6
-    assert backend.config == {"triton.cudagraphs": True, **LAUNCH_BOUND_OPTIONS}  # the options without a budget
+    assert backend.config == {"triton.cudagraphs": True, **COMBO_KERNEL_OPTIONS}  # the options without a budget
     assert run.fwd_model._orig_mod is run.raw_model
     with pytest.raises(ConfigError, match=r"^train.memory_budget=1.5: use a fraction in \(0, 1\]"):
         check_config(make_cfg("train.memory_budget=1.5"), 1, torch.device("cpu"))

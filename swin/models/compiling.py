@@ -15,7 +15,7 @@ import torch.nn as nn
 # where the host launches each kernel (the default mode), fewer gaps between kernels on the GPU under CUDA graphs
 # too (small batches gain most); combo_kernel_per_subkernel_blocks gives each of them its own block sizes, without
 # which the combined kernels cost a large training step GPU time (docs/performance.md).
-LAUNCH_BOUND_OPTIONS: Mapping[str, object] = types.MappingProxyType(
+COMBO_KERNEL_OPTIONS: Mapping[str, object] = types.MappingProxyType(
     {"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True})
 
 
@@ -42,8 +42,8 @@ def flat_options(options: Mapping[str, object], prefix: str = "") -> dict[str, o
 
 def inductor_options(mode: str | None = "default", dynamic: bool | None = None,
                      overrides: Mapping[str, object] | None = None) -> dict[str, object]:
-    """The options compile_model passes: the mode's (torch._inductor.list_mode_options), then LAUNCH_BOUND_OPTIONS
-    (without combo kernels for dynamic=True where this torch cannot combine dynamic reductions), then `overrides`
+    """The options compile_model passes: the mode's (torch._inductor.list_mode_options), then COMBO_KERNEL_OPTIONS
+    (not for dynamic=True where this torch cannot combine dynamic reductions), then `overrides`
     (inductor config names, e.g. ``{"combo_kernels": False, "triton.mix_order_reduction": False}``; nested
     mappings, as a Hydra override makes them, join their keys with dots). ValueError for an unknown mode (listing
     the modes) or an override that is not an inductor option of this torch."""
@@ -52,9 +52,8 @@ def inductor_options(mode: str | None = "default", dynamic: bool | None = None,
         options = torch._inductor.list_mode_options(mode, dynamic)
     except RuntimeError as e:  # torch's message lists the modes
         raise ValueError(f"torch.compile mode {mode!r}: {e}") from None
-    ours = dict(LAUNCH_BOUND_OPTIONS)
-    if "combo_kernels" in ours and dynamic is True and not combo_kernels_take_dynamic_reductions():
-        ours = {k: v for k, v in ours.items() if not k.startswith("combo_kernel")}
+    combinable = dynamic is not True or combo_kernels_take_dynamic_reductions()
+    ours = dict(COMBO_KERNEL_OPTIONS) if combinable else {}
     overrides = flat_options(overrides or {})
     if unknown := sorted(set(overrides) - set(torch._inductor.config.get_config_copy())):
         raise ValueError(f"inductor option(s) {unknown} unknown to torch {torch.__version__}: use names of "
