@@ -60,12 +60,16 @@ their plain sum); GPU busy time well below the step time means the step is host-
 no kernels: both are None (``-`` in the table). With ``profile.top_kernels > 0``, profile.md lists the top
 kernels with their categories and the host op each was launched from (``kernel_launchers``) too.
 
+Time and profile in separate runs where a step is bound by the host: once torch.profiler has run in a process, the
+host is slower for the rest of it (docs/performance.md), so a run with ``profile.enabled=true`` under-reports
+host-bound rows timed after its first profile, while GPU-bound rows keep their speed.
+
 With ``steps.interleave=true`` (``grid=eager`` sets it) the rows of each batch size and precision, eager and
 compiled, are then timed again in turn, repeat by repeat (``interleave_rows``), and their img/s is that run's; peak
 memory, host cost and the profile stay the rows' own. That compares rows whose steps are bound by the host
 (eager, and the default compile mode) on the same host minutes, e.g. two sets of inductor options:
 
-    python scripts/benchmark.py grid=compiled steps.interleave=true profile.enabled=true \
+    python scripts/benchmark.py grid=compiled steps.interleave=true \
       'grid.rows=[{impl:ours,attention:flash_window,compile:[true]},{impl:ours,attention:flash_window,compile:[true],inductor:{combo_kernels:false}},{impl:timm,attention:sdpa_no_cudnn,compile:[true]}]'
 
 Eager rows on CUDA (``grid=eager``) also report their host cost (``host_times``): CPU time to enqueue one inference
@@ -924,8 +928,9 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
             # the inference graphs (and their CUDA-graph pool) go first: the training peak is the step's own
             _free(device)
         result = measure(step, spec.batch_size, device, steps.warmup, steps.timed, steps.repeats)
-        if mode == "fwd_bwd":  # the training step's graphs again: its img/s and peak, nothing more
-            row.update({f"fwd_bwd_{k}": result[k] for k in ("img_s", "step_ms", "repeats_img_s", "peak_gib")})
+        if mode == "fwd_bwd":  # the training step's graphs again: its img/s, nothing more (its peak would miss the
+            # CUDA-graph pool that the training step recorded)
+            row.update({f"fwd_bwd_{k}": result[k] for k in ("img_s", "step_ms", "repeats_img_s")})
             continue
         if profile.enabled:
             trace = trace_dir / f"{slug}_{mode}.json" if trace_dir else None
