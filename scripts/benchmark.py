@@ -60,9 +60,9 @@ their plain sum); GPU busy time well below the step time means the step is host-
 no kernels: both are None (``-`` in the table). With ``profile.top_kernels > 0``, profile.md lists the top
 kernels with their categories and the host op each was launched from (``kernel_launchers``) too.
 
-Time and profile in separate runs where a step is bound by the host: once torch.profiler has run in a process, the
-host is slower for the rest of it (docs/performance.md), so a run with ``profile.enabled=true`` under-reports
-host-bound rows timed after its first profile, while GPU-bound rows keep their speed.
+Time and profile in separate runs where a step is bound by the host: in a run with ``profile.enabled=true`` a
+host-bound row has been timed up to a quarter slower than in runs without it, while GPU-bound rows kept their speed
+(docs/performance.md).
 
 With ``steps.interleave=true`` (``grid=eager`` sets it) the rows of each batch size and precision, eager and
 compiled, are then timed again in turn, repeat by repeat (``interleave_rows``), and their img/s is that run's; peak
