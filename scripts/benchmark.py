@@ -34,9 +34,12 @@ compiled graphs are freed between rows. With ``features_only``
 (``grid=backbone``: 800x1216, as a detector feeds its backbone) both sides are their features_only models, and
 the training loss is every map's mean square (a dense head's stand-in).
 
-Profiler mode (``profile.enabled=true``) runs a few more steps per row under torch.profiler and reports the
-fraction of step time spent in attention: GPU time of the kernels that belong to attention, per step, divided
-by the wall time per step of the same profiled steps (also: divided by all GPU busy time). A kernel belongs to
+Profiler mode (``profile.enabled=true``): after every row is timed (and timed again in turn, below), each row is
+built again (compiled rows mostly from inductor's caches) and a few of its steps run under torch.profiler, so no
+row is timed in a process where the profiler has run (a host-bound row has timed up to a quarter slower there,
+docs/performance.md). It reports the fraction of step time spent in attention: GPU time of the kernels that
+belong to attention, per step, divided by the wall time per step of the same profiled steps (also: divided by
+all GPU busy time). A kernel belongs to
 attention if its name matches our kernels (``window_attn_*``, ``bias_tiles_kernel``), SDPA / softmax kernels (``fmha``,
 ``flash_fwd``/``flash_bwd``, ``softmax`` but not ``log_softmax``; inductor names fused kernels after the ops
 they contain), or if the op that launched it, or one of that op's parents, is attention:
@@ -60,13 +63,9 @@ their plain sum); GPU busy time well below the step time means the step is host-
 no kernels: both are None (``-`` in the table). With ``profile.top_kernels > 0``, profile.md lists the top
 kernels with their categories and the host op each was launched from (``kernel_launchers``) too.
 
-Time and profile in separate runs where a step is bound by the host: in a run with ``profile.enabled=true`` a
-host-bound row has been timed up to a quarter slower than in runs without it, while GPU-bound rows kept their speed
-(docs/performance.md).
-
 With ``steps.interleave=true`` (``grid=eager`` sets it) the rows of each batch size and precision, eager and
 compiled, are then timed again in turn, repeat by repeat (``interleave_rows``), and their img/s is that run's; peak
-memory, host cost and the profile stay the rows' own. That compares rows whose steps are bound by the host
+memory and host cost stay the rows' own. That compares rows whose steps are bound by the host
 (eager, and the default compile mode) on the same host minutes, e.g. two sets of inductor options:
 
     python scripts/benchmark.py grid=compiled steps.interleave=true \
@@ -912,15 +911,14 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
 
 
 def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, device: torch.device,
-            data: tuple[torch.Tensor, torch.Tensor], out_dir: Path) -> dict[str, Any]:
+            data: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
     """Inference then training measurements of one row, then the training step's forward and backward alone where
-    ``steps.fwd_bwd`` asks for them (row_modes; the caller frees memory afterwards)."""
+    ``steps.fwd_bwd`` asks for them (row_modes), with the host's own times where asked (host_phases; eager rows'
+    host_times); no profiler runs here (profile_row does, after every row's timing). The caller frees memory
+    afterwards."""
     built = build_row(spec, name, arch, cfg, device, data)
     model, row = built.model, built.info
     steps = cfg.steps
-    profile = cfg.profile
-    trace_dir = out_dir / "traces" if profile.trace else None
-    slug = re.sub(r"[^\w]+", "_", spec.label)
     for mode in row_modes(cfg):
         step = getattr(built, mode)
         model.train(mode != "infer")
@@ -932,14 +930,7 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
             # CUDA-graph pool that the training step recorded)
             row.update({f"fwd_bwd_{k}": result[k] for k in ("img_s", "step_ms", "repeats_img_s")})
             continue
-        if profile.enabled:
-            trace = trace_dir / f"{slug}_{mode}.json" if trace_dir else None
-            result.update(profile_attention(step, profile.steps, device, trace, profile.get("top_kernels", 0),
-                                            out_dir / "profile.md", f"{spec.label} {mode}"))
-            if mode == "train" and profile.get("saved_tensors", False):
-                with (out_dir / "profile.md").open("a") as f:
-                    f.write(saved_tensor_report(step, spec.label))
-        if mode == "train" and profile.get("host_phases", False):
+        if mode == "train" and cfg.profile.get("host_phases", False):
             result.update(host_phases(built.train, device))
         if mode == "infer" and not spec.compile and not cfg.features_only and device.type == "cuda":
             with built.amp():
@@ -947,6 +938,34 @@ def run_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, dev
         row.update({f"{mode}_{k}": v for k, v in result.items()})
     row["train_loss"] = built.last_loss[0].float().item()
     return row
+
+
+def profile_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, device: torch.device,
+                data: tuple[torch.Tensor, torch.Tensor], out_dir: Path) -> dict[str, Any]:
+    """The row built again (compiled rows mostly from inductor's caches), its inference and training steps warmed
+    up and profiled (profile_attention; saved_tensor_report where ``profile.saved_tensors``): the ``{mode}_*``
+    profile keys. main calls it after every row is timed, because a host-bound row has timed slower in a process
+    where the profiler had run (docs/performance.md). The caller frees memory afterwards."""
+    built = build_row(spec, name, arch, cfg, device, data)
+    profile = cfg.profile
+    trace_dir = out_dir / "traces" if profile.trace else None
+    slug = re.sub(r"[^\w]+", "_", spec.label)
+    found: dict[str, Any] = {}
+    for mode in ("infer", "train"):
+        step = getattr(built, mode)
+        built.model.train(mode != "infer")
+        if mode == "train" and spec.compile:
+            _free(device)  # as run_row: the inference graphs go first
+        for _ in range(max(cfg.steps.warmup, 1)):  # compiles, records CUDA graphs: none of it profiled
+            step()
+        trace = trace_dir / f"{slug}_{mode}.json" if trace_dir else None
+        result = profile_attention(step, profile.steps, device, trace, profile.get("top_kernels", 0),
+                                   out_dir / "profile.md", f"{spec.label} {mode}")
+        if mode == "train" and profile.get("saved_tensors", False):
+            with (out_dir / "profile.md").open("a") as f:
+                f.write(saved_tensor_report(step, spec.label))
+        found.update({f"{mode}_{k}": v for k, v in result.items()})
+    return found
 
 
 def row_modes(cfg: DictConfig) -> tuple[str, ...]:
@@ -963,7 +982,7 @@ def interleave_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str,
     default compile mode) runs at the host's pace, and a host whose speed drifts over minutes favours whichever row
     ran in its faster minutes; in turn, every row meets the same drift. The rows are built again, all at once
     (compiled rows compile again, mostly from inductor's caches), with dynamo's recompile limit raised for them:
-    their models share one forward. Peak memory, the host tables and the profiles keep the rows' own runs."""
+    their models share one forward. Peak memory and the host tables keep the rows' own runs."""
     groups: dict[tuple[int, str], list[tuple[RowSpec, dict[str, Any]]]] = {}
     for spec, row in zip(specs, rows, strict=True):  # main writes one row per spec, in order
         if "error" not in row and "skipped" not in row:
@@ -1000,6 +1019,28 @@ def _rates_in_turn(specs: list[RowSpec], built: list[RowSteps], mode: str, batch
             with sdpa_backends(specs[i]):
                 rates[i].append(_images_per_s(getattr(built[i], mode), batch, device, steps.timed))
     return rates
+
+
+def profile_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str, arch: dict[str, Any],
+                 cfg: DictConfig, device: torch.device, data: tuple[torch.Tensor, torch.Tensor], out_dir: Path,
+                 started: float) -> None:
+    """profile_row for every timed row, in order, adding its profile keys to the row (``profile_error`` where
+    profiling failed; rows not started within the time budget stay unprofiled)."""
+    for i, (spec, row) in enumerate(zip(specs, rows, strict=True)):
+        if "error" in row or "skipped" in row:
+            continue
+        if cfg.time_budget_s and time.perf_counter() - started > cfg.time_budget_s:
+            print(f"[{i + 1}/{len(specs)}] {spec.label}: not profiled (time budget)", flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            with sdpa_backends(spec):
+                row.update(profile_row(spec, name, arch, cfg, device, data, out_dir))
+            print(f"[{i + 1}/{len(specs)}] {spec.label}: profiled ({time.perf_counter() - t0:.0f} s)", flush=True)
+        except Exception as e:  # e.g. out of memory: the row keeps its timing
+            row["profile_error"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+            print(f"[{i + 1}/{len(specs)}] {spec.label}: profiling failed: {row['profile_error']}", flush=True)
+        _free(device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1235,7 +1276,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
             with sdpa_backends(spec):
-                row = run_row(spec, name, arch, cfg, device, (x, y), out_dir)
+                row = run_row(spec, name, arch, cfg, device, (x, y))
         except Exception as e:  # OOM, unsupported backend on this device, ...: keep the other rows
             message = str(e).strip().splitlines()[0] if str(e).strip() else ""
             row = {**asdict(spec), "error": f"{type(e).__name__}: {message}"[:200]}
@@ -1264,6 +1305,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         except Exception as e:  # e.g. out of memory with several rows' models at once: the sequential figures stay
             print(f"timing in turn failed, keeping the rows' own figures: {type(e).__name__}: {e}"[:300], flush=True)
             _free(device)
+    if cfg.profile.enabled:
+        profile_rows(specs, rows, name, arch, cfg, device, (x, y), out_dir, started)
     add_comparisons(rows)
     table = report_tables(rows, cfg.profile.enabled)
     result["table"] = markdown_table(rows, cfg.profile.enabled)

@@ -151,6 +151,44 @@ def test_compiled_rows_are_timed_in_turn_too(monkeypatch):
     assert torch._dynamo.config.recompile_limit == limit  # restored
 
 
+def test_rows_are_profiled_after_every_row_is_timed(tmp_path, monkeypatch):
+    """profile.enabled: no row is timed in a process where the profiler has run (a host-bound row times slower
+    there): every timed repeat, the rows' timing in turn included, comes before the first profiled step, and every
+    row still gets its profile for both steps."""
+    from hydra import compose, initialize_config_dir
+
+    import scripts.benchmark as bench
+
+    rows = "[{impl:ours,attention:sdpa,compile:[false]},{impl:timm,attention:math,compile:[false]}]"
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("benchmark", overrides=["model=swin_micro", "device=cpu", "grid=smoke", f"grid.rows={rows}",
+                                              "grid.batch_size=[2]", "steps.warmup=1", "steps.timed=1",
+                                              "steps.repeats=2", "steps.interleave=true", "profile.enabled=true",
+                                              "profile.steps=1", f"out_dir={tmp_path}"])
+    events: list[str] = []
+    timed, profiled = bench._images_per_s, bench.profile_attention
+
+    def timing(*args, **kwargs):
+        events.append("timed")
+        return timed(*args, **kwargs)
+
+    def profiling(*args, **kwargs):
+        events.append("profiled")
+        return profiled(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "_images_per_s", timing)
+    monkeypatch.setattr(bench, "profile_attention", profiling)
+    result = bench.main(cfg)
+    first = events.index("profiled")
+    # each row: infer and train, 2 repeats on its own, then 2 more in turn
+    assert events[:first] == ["timed"] * (2 * 2 * 4) and events[first:] == ["profiled"] * (2 * 2)
+    for r in result["rows"]:
+        assert positive(r["infer_img_s"]) and r["infer_img_s_sequential"] != r["infer_img_s"], r
+        for mode in ("infer", "train"):
+            assert 0 < r[f"{mode}_attention_ms_per_step"] <= r[f"{mode}_busy_ms_per_step"], (r["attention"], mode)
+    assert result["breakdown_table"] in (tmp_path / "benchmark.md").read_text()
+
+
 def test_benchmark_swinv2_rows_against_timm_v2(tmp_path):
     """A Swin V2 name benchmarks ours against timm's SwinTransformerV2 (swinv2_micro: timm's class with our config);
     timm's V2 has no SDPA path, so that row is skipped with the reason, and ours is compared with timm's math row."""
