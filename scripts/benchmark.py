@@ -956,7 +956,7 @@ def profile_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig,
         built.model.train(mode != "infer")
         if mode == "train" and spec.compile:
             _free(device)  # as run_row: the inference graphs go first
-        for _ in range(max(cfg.steps.warmup, 1)):  # compiles, records CUDA graphs: none of it profiled
+        for _ in range(max(cfg.steps.warmup, 3)):  # compiles, records CUDA graphs (by the third call): not profiled
             step()
         trace = trace_dir / f"{slug}_{mode}.json" if trace_dir else None
         result = profile_attention(step, profile.steps, device, trace, profile.get("top_kernels", 0),
