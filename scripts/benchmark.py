@@ -1023,12 +1023,15 @@ def _rates_in_turn(specs: list[RowSpec], built: list[RowSteps], mode: str, batch
 
 def profile_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str, arch: dict[str, Any],
                  cfg: DictConfig, device: torch.device, data: tuple[torch.Tensor, torch.Tensor], out_dir: Path,
-                 save: Callable[[], None]) -> None:
+                 started: float, save: Callable[[], None]) -> None:
     """profile_row for every timed row, in order, adding its profile keys to the row (``profile_error`` where
-    profiling failed), then ``save()`` so that a run stopped while profiling keeps what it had. The time budget
-    does not apply: it chose which rows were timed, and each of those is profiled."""
+    profiling failed), then ``save()`` so that a run stopped while profiling keeps what it had. Rows not started
+    within the time budget (``time_budget_s`` from ``started``, timing included) stay unprofiled."""
     for i, (spec, row) in enumerate(zip(specs, rows, strict=True)):
         if "error" in row or "skipped" in row:
+            continue
+        if cfg.time_budget_s and time.perf_counter() - started > cfg.time_budget_s:
+            print(f"[{i + 1}/{len(specs)}] {spec.label}: not profiled (time budget)", flush=True)
             continue
         t0 = time.perf_counter()
         try:
@@ -1036,7 +1039,8 @@ def profile_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str, ar
                 row.update(profile_row(spec, name, arch, cfg, device, data, out_dir))
             print(f"[{i + 1}/{len(specs)}] {spec.label}: profiled ({time.perf_counter() - t0:.0f} s)", flush=True)
         except Exception as e:  # e.g. out of memory: the row keeps its timing
-            row["profile_error"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+            message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            row["profile_error"] = f"{type(e).__name__}: {message}"[:200]
             print(f"[{i + 1}/{len(specs)}] {spec.label}: profiling failed: {row['profile_error']}", flush=True)
         _free(device)
         save()
@@ -1305,7 +1309,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             print(f"timing in turn failed, keeping the rows' own figures: {type(e).__name__}: {e}"[:300], flush=True)
             _free(device)
     if cfg.profile.enabled:
-        profile_rows(specs, rows, name, arch, cfg, device, (x, y), out_dir,
+        add_comparisons(rows)  # the figures timed in turn: what each save writes beside the profiles
+        profile_rows(specs, rows, name, arch, cfg, device, (x, y), out_dir, started,
                      lambda: write_outputs(out_dir, result, report_tables(rows, profiled=True)))
     add_comparisons(rows)
     table = report_tables(rows, cfg.profile.enabled)

@@ -176,12 +176,24 @@ def test_rows_are_profiled_after_every_row_is_timed(tmp_path, monkeypatch):
         events.append("profiled")
         return profiled(*args, **kwargs)
 
+    saved = []  # what each write after the timing in turn says: ours' img/s, timm's, and ours' ratio
+    write = bench.write_outputs
+
+    def writing(out_dir, result, table):
+        ours, theirs = (result["rows"] + [{}])[:2]
+        if "infer_img_s_sequential" in ours:
+            saved.append((ours["infer_img_s"], theirs["infer_img_s"], ours.get("infer_speedup_vs_best_timm")))
+        return write(out_dir, result, table)
+
     monkeypatch.setattr(bench, "_images_per_s", timing)
     monkeypatch.setattr(bench, "profile_attention", profiling)
+    monkeypatch.setattr(bench, "write_outputs", writing)
     result = bench.main(cfg)
     first = events.index("profiled")
     # each row: infer and train, 2 repeats on its own, then 2 more in turn
     assert events[:first] == ["timed"] * (2 * 2 * 4) and events[first:] == ["profiled"] * (2 * 2)
+    # a save after each profiled row, then the final one: each compares the figures it shows
+    assert len(saved) == 3 and all(ratio == ours / theirs for ours, theirs, ratio in saved), saved
     for r in result["rows"]:
         assert positive(r["infer_img_s"]) and r["infer_img_s_sequential"] != r["infer_img_s"], r
         for mode in ("infer", "train"):
