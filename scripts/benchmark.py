@@ -1021,6 +1021,17 @@ def _rates_in_turn(specs: list[RowSpec], built: list[RowSteps], mode: str, batch
     return rates
 
 
+def budget_spent(cfg: DictConfig, started: float) -> bool:
+    """Whether ``time_budget_s`` (0: none) has passed since ``started`` (perf_counter): no new row starts then."""
+    return bool(cfg.time_budget_s) and time.perf_counter() - started > cfg.time_budget_s
+
+
+def error_line(e: Exception) -> str:
+    """The exception's type and the first line of its message, at most 200 characters: a row's error."""
+    message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {message}"[:200]
+
+
 def profile_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str, arch: dict[str, Any],
                  cfg: DictConfig, device: torch.device, data: tuple[torch.Tensor, torch.Tensor], out_dir: Path,
                  started: float, save: Callable[[], None]) -> None:
@@ -1030,7 +1041,7 @@ def profile_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str, ar
     for i, (spec, row) in enumerate(zip(specs, rows, strict=True)):
         if "error" in row or "skipped" in row:
             continue
-        if cfg.time_budget_s and time.perf_counter() - started > cfg.time_budget_s:
+        if budget_spent(cfg, started):
             print(f"[{i + 1}/{len(specs)}] {spec.label}: not profiled (time budget)", flush=True)
             continue
         t0 = time.perf_counter()
@@ -1039,8 +1050,7 @@ def profile_rows(specs: list[RowSpec], rows: list[dict[str, Any]], name: str, ar
                 row.update(profile_row(spec, name, arch, cfg, device, data, out_dir))
             print(f"[{i + 1}/{len(specs)}] {spec.label}: profiled ({time.perf_counter() - t0:.0f} s)", flush=True)
         except Exception as e:  # e.g. out of memory: the row keeps its timing
-            message = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            row["profile_error"] = f"{type(e).__name__}: {message}"[:200]
+            row["profile_error"] = error_line(e)
             print(f"[{i + 1}/{len(specs)}] {spec.label}: profiling failed: {row['profile_error']}", flush=True)
         _free(device)
         save()
@@ -1266,8 +1276,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     result: dict[str, Any] = dict(model=name, img_size=list(img_size), env=env,
                                   config=OmegaConf.to_container(cfg, resolve=True), rows=rows)
     for i, spec in enumerate(specs):
-        elapsed = time.perf_counter() - started
-        if cfg.time_budget_s and elapsed > cfg.time_budget_s:
+        if budget_spent(cfg, started):
             rows.append({**asdict(spec), "skipped": f"time budget ({cfg.time_budget_s} s) spent"})
             print(f"[{i + 1}/{len(specs)}] {spec.label}: skipped (time budget)", flush=True)
             continue
@@ -1281,8 +1290,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             with sdpa_backends(spec):
                 row = run_row(spec, name, arch, cfg, device, (x, y))
         except Exception as e:  # OOM, unsupported backend on this device, ...: keep the other rows
-            message = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            row = {**asdict(spec), "error": f"{type(e).__name__}: {message}"[:200]}
+            row = {**asdict(spec), "error": error_line(e)}
         _free(device)
         row["row_s"] = time.perf_counter() - t0
         rows.append(row)
@@ -1301,18 +1309,17 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         add_comparisons(rows)
         write_outputs(out_dir, result, report_tables(rows, cfg.profile.enabled))  # partial results survive
 
-    if cfg.steps.interleave and not (cfg.time_budget_s and time.perf_counter() - started > cfg.time_budget_s):
+    if cfg.steps.interleave and not budget_spent(cfg, started):
         print("timing the rows again, in turn", flush=True)
         try:
             interleave_rows(specs, rows, name, arch, cfg, device, (x, y))
         except Exception as e:  # e.g. out of memory with several rows' models at once: the sequential figures stay
             print(f"timing in turn failed, keeping the rows' own figures: {type(e).__name__}: {e}"[:300], flush=True)
             _free(device)
+    add_comparisons(rows)  # the figures timed in turn, which the saves while profiling write too
     if cfg.profile.enabled:
-        add_comparisons(rows)  # the figures timed in turn: what each save writes beside the profiles
         profile_rows(specs, rows, name, arch, cfg, device, (x, y), out_dir, started,
                      lambda: write_outputs(out_dir, result, report_tables(rows, profiled=True)))
-    add_comparisons(rows)
     table = report_tables(rows, cfg.profile.enabled)
     result["table"] = markdown_table(rows, cfg.profile.enabled)
     if cfg.profile.enabled:
