@@ -510,24 +510,39 @@ PHASE_SLEEP_CYCLES = 4 * HOST_SLEEP_CYCLES  # longer than two training steps' en
 
 def host_phases(train: Callable[..., None], device: torch.device, reps: int = 10) -> dict[str, Any]:
     """Host CPU time (ms) per phase of a training step (HOST_PHASES, and their total), medians over ``reps``.
-    On CUDA each measured step is the second of two queued behind a GPU sleep, as host_us times a call, so that
-    no phase waits for the GPU: where the total exceeds the step's GPU busy time, the step is host-bound, and the
-    phases say where the host's time goes (CUDA graphs replay the compiled forward and backward with Python
-    around each). On the CPU the phases are the step's work itself, summed over the threads that compute it.
-    train: RowSteps.train."""
+    On CUDA each measured step is queued alone behind a GPU sleep, so that no phase waits for the GPU: where the
+    total exceeds the step's GPU busy time, the step is host-bound, and the phases say where the host's time goes
+    (CUDA graphs replay the compiled forward and backward with Python around each). One step, not two: a step
+    launches hundreds of kernels, and the launch that finds CUDA's queue full waits there for the GPU (two
+    default-mode Swin-T steps behind the sleep measured its whole length). ``queue_full``: the total came within
+    half of the sleep's length, so a launch waited and the phases are not the host's own time. On the CPU the
+    phases are the step's work itself, summed over the threads that compute it. train: RowSteps.train."""
     samples: dict[str, list[float]] = {phase: [] for phase in HOST_PHASES}
+    sleep_ms = _sleep_ms(PHASE_SLEEP_CYCLES) if device.type == "cuda" else None
     for _ in range(reps):
+        train()
         _sync(device)
         if device.type == "cuda":
             torch.cuda._sleep(PHASE_SLEEP_CYCLES)
-        train()
         marks: list[int] = []
         train(marks)
         for phase, start, end in zip(HOST_PHASES, marks[:-1], marks[1:], strict=True):
             samples[phase].append((end - start) / 1e6)
     _sync(device)
     medians = {phase: statistics.median(values) for phase, values in samples.items()}
-    return {"host_phases_ms": {**medians, "total": sum(medians.values())}}
+    total = sum(medians.values())
+    return {"host_phases_ms": {**medians, "total": total},
+            "host_phases_queue_full": sleep_ms is not None and total > sleep_ms / 2}
+
+
+def _sleep_ms(cycles: int) -> float:
+    """GPU time (ms) of ``torch.cuda._sleep(cycles)``, by CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def host_times(model: nn.Module, forward: Callable[[], object], images: torch.Tensor,
@@ -1184,6 +1199,8 @@ def phases_table(rows: list[dict[str, Any]]) -> str:
         phases = r["train_host_phases_ms"]
         cells = [_row_label(r), _fmt(r.get("train_step_ms"), ".2f"), _fmt(r.get("train_busy_union_ms_per_step"), ".2f"),
                  *(f"{phases[p]:.2f}" for p in (*HOST_PHASES, "total"))]
+        if r.get("train_host_phases_queue_full"):
+            cells[-1] += " (a launch waited: CUDA's queue was full)"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -677,7 +677,9 @@ def test_host_phases_time_each_phase_of_a_real_step():
     assert len(marks) == len(bench.HOST_PHASES) + 1 and marks == sorted(marks)
     assert marks[0] <= forward_ends[0] <= marks[1]
     assert len(grads) == sum(1 for _ in steps.model.parameters()) and marks[2] <= min(grads) <= max(grads) <= marks[3]
-    phases = bench.host_phases(steps.train, torch.device("cpu"), reps=3)["host_phases_ms"]
+    timed = bench.host_phases(steps.train, torch.device("cpu"), reps=3)
+    phases = timed["host_phases_ms"]
+    assert timed["host_phases_queue_full"] is False  # no GPU, no launch queue
     assert list(phases) == [*bench.HOST_PHASES, "total"]
     assert phases["forward"] > 0 and phases["backward"] > 0 and min(phases.values()) >= 0
     assert phases["total"] == pytest.approx(sum(phases[p] for p in bench.HOST_PHASES))
@@ -689,13 +691,17 @@ def test_phases_table():
     phases = dict(forward=2.27, loss=0.5, backward=4.118, optimizer=1.64, zero_grad=0.18, total=8.708)
     rows = [_row("ours", "flash_window", True, train_step_ms=8.1, train_busy_union_ms_per_step=7.63,
                  train_host_phases_ms=phases),
-            _row("timm", "sdpa", True, train_step_ms=10.9)]  # no phases: not listed
+            _row("timm", "sdpa", True, train_step_ms=10.9),  # no phases: not listed
+            _row("timm", "math", True, train_step_ms=12.0, train_busy_union_ms_per_step=11.8,
+                 train_host_phases_ms={**phases, "total": 250.0}, train_host_phases_queue_full=True)]
     assert phases_table(rows).splitlines() == [
         "| row | train step ms | GPU busy ms | forward | loss | backward | optimizer | zero_grad | host total |",
         "|" + "---|" * 9,
-        "| ours flash_window +compile b128 bf16 | 8.10 | 7.63 | 2.27 | 0.50 | 4.12 | 1.64 | 0.18 | 8.71 |"]
+        "| ours flash_window +compile b128 bf16 | 8.10 | 7.63 | 2.27 | 0.50 | 4.12 | 1.64 | 0.18 | 8.71 |",
+        "| timm math +compile b128 bf16 | 12.00 | 11.80 | 2.27 | 0.50 | 4.12 | 1.64 | 0.18 | 250.00 (a launch waited: "
+        "CUDA's queue was full) |"]
     assert phases_table(rows) in report_tables(rows, profiled=False)
-    assert phases_table(rows[1:]) == "" and "host total" not in report_tables(rows[1:], profiled=False)
+    assert phases_table(rows[1:2]) == "" and "host total" not in report_tables(rows[1:2], profiled=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host time of CUDA launches")
