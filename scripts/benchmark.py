@@ -505,22 +505,20 @@ def _rates_result(rates: list[float], batch: int) -> dict[str, Any]:
 
 HOST_SLEEP_CYCLES = 200_000_000  # a GPU sleep longer than two eager forwards' enqueueing (about 0.1 s)
 HOST_PHASES = ("forward", "loss", "backward", "optimizer", "zero_grad")
-PHASE_SLEEP_CYCLES = 4 * HOST_SLEEP_CYCLES  # longer than two training steps' enqueueing, eager ones too
+PHASE_SLEEP_CYCLES = 4 * HOST_SLEEP_CYCLES  # longer than a training step's enqueueing, an eager one's too
 
 
 def host_phases(train: Callable[..., None], device: torch.device, reps: int = 10) -> dict[str, Any]:
     """Host CPU time (ms) per phase of a training step (HOST_PHASES, and their total), medians over ``reps``.
     On CUDA each measured step is queued alone behind a GPU sleep, so that no phase waits for the GPU: where the
     total exceeds the step's GPU busy time, the step is host-bound, and the phases say where the host's time goes
-    (CUDA graphs replay the compiled forward and backward with Python around each). One step, not two: a step
-    launches hundreds of kernels, and the launch that finds CUDA's queue full waits there for the GPU (two
-    default-mode Swin-T steps behind the sleep measured its whole length). ``queue_full``: the total came within
-    half of the sleep's length, so a launch waited and the phases are not the host's own time. On the CPU the
-    phases are the step's work itself, summed over the threads that compute it. train: RowSteps.train."""
+    (CUDA graphs replay the compiled forward and backward with Python around each). One step only, because a
+    launch that finds CUDA's launch queue full waits there for the GPU. ``host_phases_queue_full``: the total came
+    within half of the sleep's length, so a launch waited and the phases are not the host's own time. On the CPU
+    the phases are the step's work itself, summed over the threads that compute it. train: RowSteps.train."""
     samples: dict[str, list[float]] = {phase: [] for phase in HOST_PHASES}
     sleep_ms = _sleep_ms(PHASE_SLEEP_CYCLES) if device.type == "cuda" else None
     for _ in range(reps):
-        train()
         _sync(device)
         if device.type == "cuda":
             torch.cuda._sleep(PHASE_SLEEP_CYCLES)
