@@ -377,7 +377,7 @@ def test_grid_rows_take_a_memory_budget(monkeypatch):
     from omegaconf import OmegaConf
 
     import scripts.benchmark as bench
-    from swin.models.compiling import _InductorWithFunctorchConfig
+    from swin.models.compiling import _InductorBackend
 
     grid = OmegaConf.create({"batch_size": [2], "precision": ["fp32"], "rows": [
         {"impl": "ours", "attention": "sdpa", "compile": [True], "memory_budget": 0.7}]})
@@ -393,7 +393,7 @@ def test_grid_rows_take_a_memory_budget(monkeypatch):
     steps = bench.build_row(spec, name, arch, cfg, torch.device("cpu"), data)
     infer, train = compiled_with
     assert "options" in infer and "backend" not in infer
-    assert isinstance(train["backend"], _InductorWithFunctorchConfig)
+    assert isinstance(train["backend"], _InductorBackend)
     assert train["backend"].functorch_config == {"activation_memory_budget": 0.7}
     assert steps.info["train_memory_budget"] == 0.7
     for row, error in (({"impl": "timm", "attention": "sdpa", "memory_budget": 0.5}, "is a setting of ours"),

@@ -53,26 +53,28 @@ def test_dynamic_shapes_drop_combo_kernels_where_torch_cannot_combine_them(monke
     assert forced["combo_kernels"] is True  # an explicit override is the caller's choice
 
 
-def test_default_mode_on_cuda_takes_the_cpp_wrapper_instead_of_combo_kernels():
-    """The C++ wrapper for the default mode on CUDA (static or automatic-dynamic shapes), combo kernels everywhere
-    else; an override turns it off and gives the combo kernels back."""
+def test_default_mode_training_on_cuda_takes_the_cpp_wrapper_instead_of_combo_kernels():
+    """The C++ wrapper for the default mode's training graphs on CUDA (static or automatic-dynamic shapes), combo
+    kernels everywhere else; an override turns it off and gives the combo kernels back."""
     from swin.models import compiling
 
     assert compiling.inductor_options("default", None, device_type="cuda") == {"cpp_wrapper": True}
     assert compiling.inductor_options(None, False, device_type="cuda") == {"cpp_wrapper": True}
     off = compiling.inductor_options("default", None, {"cpp_wrapper": False}, device_type="cuda")
     assert off == {**COMBO_KERNEL_OPTIONS, "cpp_wrapper": False}
-    for mode, dynamic, device in (("default", None, "cpu"), ("reduce-overhead", None, "cuda"),
-                                  ("max-autotune-no-cudagraphs", False, "cuda")):
-        options = compiling.inductor_options(mode, dynamic, device_type=device)
-        assert "cpp_wrapper" not in options and options["combo_kernels"] is True, (mode, device)
+    for mode, dynamic, device, training in (("default", None, "cpu", True), ("reduce-overhead", None, "cuda", True),
+                                            ("max-autotune-no-cudagraphs", False, "cuda", True),
+                                            ("default", None, "cuda", False)):
+        options = compiling.inductor_options(mode, dynamic, device_type=device, training=training)
+        assert "cpp_wrapper" not in options and options["combo_kernels"] is True, (mode, device, training)
     assert "cpp_wrapper" not in compiling.inductor_options("default", True, device_type="cuda")
 
 
-def test_cpp_wrapper_compiles_the_backward_with_the_forward(compile_calls, monkeypatch):
-    """With the C++ wrapper, compile_model's backend compiles the backward with the forward: AOTAutograd's
-    force_non_lazy_backward_lowering is on inside the backend call only (a lazily compiled backward misses the C++
-    wrapper's settings on torch 2.11), the activation memory budget beside it."""
+def test_cpp_wrapper_for_training_graphs_compiled_with_their_backward(compile_calls, monkeypatch):
+    """Default mode on CUDA: a graph compiled with gradients gets the C++ wrapper, with AOTAutograd's
+    force_non_lazy_backward_lowering on inside the backend call only (a lazily compiled backward misses the C++
+    wrapper's settings on torch 2.11) and the activation memory budget beside it; a graph compiled without gradients
+    (validation) gets the Python wrapper and combo kernels."""
     from swin.models import compiling
 
     monkeypatch.setattr(compiling, "_device_type", lambda model: "cuda")
@@ -89,13 +91,17 @@ def test_cpp_wrapper_compiles_the_backward_with_the_forward(compile_calls, monke
     for budget in (None, 0.5):
         compiled = swin.compile_model(model, dynamic=False, memory_budget=budget)
         torch.testing.assert_close(compiled(x), model(x))
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x))
         torch._dynamo.reset()
-    assert seen == [(True, 1.0, {"cpp_wrapper": True}), (True, 0.5, {"cpp_wrapper": True})]
+    cpp, combo = {"cpp_wrapper": True}, dict(COMBO_KERNEL_OPTIONS)
+    assert seen == [(True, 1.0, cpp), (False, 1.0, combo), (True, 0.5, cpp), (False, 1.0, combo)]
     assert torch._functorch.config.force_non_lazy_backward_lowering is False
     backends = [kwargs["backend"] for kwargs in compile_calls]
     assert [b.functorch_config for b in backends] == [
         {"force_non_lazy_backward_lowering": True},
         {"activation_memory_budget": 0.5, "force_non_lazy_backward_lowering": True}]
+    assert all(b.inference.config == combo for b in backends)
 
 
 def test_compile_model_reads_the_models_device():
@@ -198,7 +204,7 @@ def test_train_setup_passes_its_memory_budget(compile_calls, tmp_path):
     from _train_utils import DET, make_cfg
 
     from swin.config import ConfigError, to_settings
-    from swin.models.compiling import _InductorWithFunctorchConfig
+    from swin.models.compiling import _InductorBackend
     from swin.train.checks import check_config
     from swin.train.distributed import DistInfo
     from swin.train.setup import setup
@@ -208,7 +214,7 @@ def test_train_setup_passes_its_memory_budget(compile_calls, tmp_path):
     run = setup(to_settings(cfg), tmp_path, DistInfo(0, 0, 1, torch.device("cpu")))
     (kwargs,) = compile_calls
     backend = kwargs["backend"]
-    assert isinstance(backend, _InductorWithFunctorchConfig)
+    assert isinstance(backend, _InductorBackend)
     assert backend.functorch_config == {"activation_memory_budget": 0.6}
     assert backend.config == {"triton.cudagraphs": True, **COMBO_KERNEL_OPTIONS}  # the options without a budget
     assert run.fwd_model._orig_mod is run.raw_model

@@ -44,22 +44,25 @@ def flat_options(options: Mapping[str, object], prefix: str = "") -> dict[str, o
 
 # The default mode launches every kernel from the host, and inductor's Python wrapper code costs a training step more
 # host time than its kernels take on the GPU: the C++ wrapper launches them from C++ instead, so that the step is
-# GPU-bound (docs/performance.md). CUDA only, static or automatic-dynamic shapes. Without combo kernels: torch
+# GPU-bound (docs/performance.md). Training graphs only (an inference step is GPU-bound at the batch sizes that
+# matter, and compiling C++ takes longer), on CUDA, static or automatic-dynamic shapes. Without combo kernels: torch
 # 2.11's C++ wrapper fails an assertion on their argument lists. Its backward is compiled with the forward
 # (compile_model), since a lazily compiled backward misses the C++ wrapper's settings on torch 2.11
 # ("CudaKernelParamCache not populated", pytorch/pytorch#178847).
 CPP_WRAPPER_OPTIONS: Mapping[str, object] = types.MappingProxyType({"cpp_wrapper": True})
 
 
-def uses_cpp_wrapper(mode: str | None, dynamic: bool | None, device_type: str) -> bool:
-    """Whether compile_model gives this compile inductor's C++ wrapper (CPP_WRAPPER_OPTIONS): the default mode on
-    CUDA, without dynamic=True."""
-    return (mode or "default") == "default" and device_type == "cuda" and dynamic is not True
+def uses_cpp_wrapper(mode: str | None, dynamic: bool | None, device_type: str, training: bool) -> bool:
+    """Whether compile_model gives these graphs inductor's C++ wrapper (CPP_WRAPPER_OPTIONS): training graphs of
+    the default mode on CUDA, without dynamic=True."""
+    return training and (mode or "default") == "default" and device_type == "cuda" and dynamic is not True
 
 
 def inductor_options(mode: str | None = "default", dynamic: bool | None = None,
-                     overrides: Mapping[str, object] | None = None, device_type: str = "cpu") -> dict[str, object]:
-    """The options compile_model passes for a model on ``device_type``: the mode's
+                     overrides: Mapping[str, object] | None = None, device_type: str = "cpu",
+                     training: bool = True) -> dict[str, object]:
+    """The options compile_model passes for the training (or, ``training=False``, inference: compiled without
+    gradients) graphs of a model on ``device_type``: the mode's
     (torch._inductor.list_mode_options), then ours, then `overrides` (inductor config names, e.g.
     ``{"combo_kernels": False, "triton.mix_order_reduction": False}``; nested mappings, as a Hydra override makes
     them, join their keys with dots). Ours: CPP_WRAPPER_OPTIONS where uses_cpp_wrapper says so and the overrides do
@@ -75,7 +78,7 @@ def inductor_options(mode: str | None = "default", dynamic: bool | None = None,
     if unknown := sorted(set(overrides) - set(torch._inductor.config.get_config_copy())):
         raise ValueError(f"inductor option(s) {unknown} unknown to torch {torch.__version__}: use names of "
                          "torch._inductor.config, e.g. combo_kernels or triton.mix_order_reduction")
-    if uses_cpp_wrapper(mode, dynamic, device_type) and overrides.get("cpp_wrapper", True):
+    if uses_cpp_wrapper(mode, dynamic, device_type, training) and overrides.get("cpp_wrapper", True):
         ours = dict(CPP_WRAPPER_OPTIONS)
     elif dynamic is not True or combo_kernels_take_dynamic_reductions():
         ours = dict(COMBO_KERNEL_OPTIONS)
@@ -90,19 +93,27 @@ def check_memory_budget(budget: float | None, key: str = "memory_budget") -> Non
         raise ValueError(f"{key}={budget!r}: use a fraction in (0, 1] (1: torch's default), or null for the default")
 
 
-class _InductorWithFunctorchConfig(torch._TorchCompileInductorWrapper):
+class _InductorBackend(torch._TorchCompileInductorWrapper):
     """torch.compile's inductor backend with AOTAutograd settings (``torch._functorch.config``, read when a training
     graph is split into forward and backward, which happens inside the backend call) bound to this compiled model,
-    not set for the whole process: the activation memory budget, compiling the backward with the forward."""
+    not set for the whole process (the activation memory budget, compiling the backward with the forward), and
+    other inductor options for graphs compiled without gradients (``inference_options``; None: the same)."""
 
-    def __init__(self, options: dict[str, object], dynamic: bool | None, functorch_config: dict[str, object]):
+    def __init__(self, options: dict[str, object], dynamic: bool | None, functorch_config: dict[str, object],
+                 inference_options: dict[str, object] | None = None):
         super().__init__(None, options, dynamic)
         self.functorch_config = functorch_config
+        self.inference = (None if inference_options is None
+                          else torch._TorchCompileInductorWrapper(None, inference_options, dynamic))
 
     def __eq__(self, other: object) -> bool:
-        return super().__eq__(other) and getattr(other, "functorch_config", None) == self.functorch_config
+        return (super().__eq__(other) and getattr(other, "functorch_config", None) == self.functorch_config
+                and getattr(other, "inference", None) == self.inference)
 
     def __call__(self, graph, example_inputs):
+        # dynamo calls the backend in the grad mode of the call it compiles (as AOTAutograd reads it)
+        if self.inference is not None and not torch.is_grad_enabled():
+            return self.inference(graph, example_inputs)
         with torch._functorch.config.patch(self.functorch_config):
             return super().__call__(graph, example_inputs)
 
@@ -124,15 +135,18 @@ def compile_model(model: nn.Module, mode: str | None = "default", dynamic: bool 
     overrides: inductor options that replace ours or the mode's (inductor_options). memory_budget: None (torch's
     default), or a fraction in (0, 1] of the activations the default partition saves for the backward: below 1
     the partitioner recomputes cheap ops in the backward instead of saving their outputs (less memory, some
-    recompute); ValueError outside (0, 1]. With the C++ wrapper the backward is compiled with the forward."""
-    options = inductor_options(mode, dynamic, overrides, _device_type(model))
+    recompute); ValueError outside (0, 1]. Graphs compiled without gradients take the inference options
+    (inductor_options(training=False)); with the C++ wrapper the backward is compiled with the forward."""
+    device_type = _device_type(model)
+    options = inductor_options(mode, dynamic, overrides, device_type)
+    inference = inductor_options(mode, dynamic, overrides, device_type, training=False)
     functorch_config: dict[str, object] = {}
     if memory_budget is not None:
         check_memory_budget(memory_budget)
         functorch_config["activation_memory_budget"] = float(memory_budget)
     if options.get("cpp_wrapper"):
         functorch_config["force_non_lazy_backward_lowering"] = True
-    if not functorch_config:
+    if not functorch_config and inference == options:
         return torch.compile(model, dynamic=dynamic, fullgraph=fullgraph, options=options)
-    return torch.compile(model, dynamic=dynamic, fullgraph=fullgraph,
-                         backend=_InductorWithFunctorchConfig(options, dynamic, functorch_config))
+    return torch.compile(model, dynamic=dynamic, fullgraph=fullgraph, backend=_InductorBackend(
+        options, dynamic, functorch_config, None if inference == options else inference))

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from swin.config import ConfigError, TrainAppConfig, TrainConfig, as_folder
 from swin.data.datasets import augment_mode, build_datasets, decode_mode
 from swin.data.loaders import build_loaders, worker_count
-from swin.models.compiling import compile_model
+from swin.models.compiling import compile_model, inductor_options
 from swin.models.pretrained import CheckpointError
 from swin.models.registry import config_overrides, create_model
 from swin.precision import FP8_MIN_FEATURES, TRAIN_AMP_CHOICES, autocast, fp8_linears, resolve_amp
@@ -157,7 +157,10 @@ def setup(cfg: TrainAppConfig, run_dir: Path, dist: DistInfo) -> Run:
     fwd_model: nn.Module = (compile_model(raw_model, mode, overrides=t.compile_options, memory_budget=t.memory_budget)
                             if mode else raw_model)
     why = " (train.compile=auto compiles on CUDA only)" if t.compile == "auto" else ""
-    log.info(f"torch.compile: {mode} mode (compiles during the first update)" if mode else f"torch.compile: off{why}")
+    cpp = mode and inductor_options(mode, None, t.compile_options, device.type).get("cpp_wrapper")
+    wrapper = ", inductor's C++ wrapper" if cpp else ""
+    log.info(f"torch.compile: {mode} mode{wrapper} (compiles during the first update)" if mode
+             else f"torch.compile: off{why}")
     # the model's buffers are constants (position indices, shift masks): broadcasting them every forward, DDP's
     # default, would be more collectives per step; .grad are views of the all-reduce buckets (no copy back, no
     # second set of gradient memory)
