@@ -869,7 +869,8 @@ def build_row(spec: RowSpec, name: str, arch: dict[str, Any], cfg: DictConfig, d
     infer_run = train_run = model
     if spec.compile and spec.impl == "ours":
         inductor = dict(spec.inductor)
-        row["inductor_options"] = inductor_options(mode, False, inductor, device.type)
+        row["inductor_options"] = inductor_options(mode, False, inductor, device.type)  # the training step's
+        row["infer_inductor_options"] = inductor_options(mode, False, inductor, device.type, training=False)
         row["train_memory_budget"] = spec.memory_budget
         infer_run = swin.compile_model(model, mode, dynamic=False, overrides=inductor)
         train_run = swin.compile_model(model, mode, dynamic=False, overrides=inductor, memory_budget=spec.memory_budget)

@@ -357,7 +357,7 @@ def test_grid_rows_take_inductor_options(monkeypatch):
 
     options = {"triton.cudagraphs": True, **COMBO_KERNEL_OPTIONS, "triton.mix_order_reduction": False}
     assert compiled_with == [{"dynamic": False, "fullgraph": False, "options": options}] * 2
-    assert steps.info["inductor_options"] == options
+    assert steps.info["inductor_options"] == steps.info["infer_inductor_options"] == options
     assert steps.info["inductor"] == tuned.inductor
     from omegaconf import OmegaConf
 
