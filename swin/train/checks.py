@@ -170,7 +170,7 @@ def check_config(cfg: TrainAppConfig | DictConfig, world_size: int, device: torc
 def compile_mode(compile: Any, mode: str, device: torch.device, accum_steps: int = 1) -> str | None:
     """The torch.compile mode train.compile and train.compile_mode ask for on ``device``, or None (eager).
     compile=auto compiles on CUDA only (on the CPU compiling costs more than it saves); mode=auto takes CUDA graphs
-    (reduce-overhead), on one GPU and under DDP, where the compiled step is host-bound without them, and the default
+    (reduce-overhead), on one GPU and under DDP, where they are the fastest (no launches from the host), and the default
     mode with gradient accumulation (a micro-batch's backward would overwrite the previous replay's outputs)."""
     if compile is False or (compile == "auto" and torch.device(device).type != "cuda"):
         return None
