@@ -176,10 +176,11 @@ class LaunchReplay:
     The caller keys replays by everything the launches depend on besides the tensors' data: shapes, strides, dtypes,
     device, scalars and tuning. :meth:`record` returns None where a call cannot be replayed: a tensor argument that
     is neither an input, an output nor a scratch buffer (a copy made inside the call), an output that no launch
-    writes (made by a torch op) or that is not a fresh buffer, one tensor passed as two inputs, or a launch hook
-    (profilers such as proton) that wants every launch. The recorded kernels must write the outputs whole (a replay
-    allocates them uninitialised), except an output that is one of the call's scratch buffers (a zeroed
-    accumulator the kernels add into, say): a replay allocates it as the call did."""
+    writes (made by a torch op) or that is not a fresh buffer, one tensor passed as two inputs, a first input that is
+    not a tensor on the outputs' device (a replay allocates like it), or a launch hook (profilers such as proton)
+    that wants every launch. The recorded kernels must write the outputs whole (a replay allocates them
+    uninitialised), except an output that is one of the call's scratch buffers (a zeroed accumulator the kernels add
+    into, say): a replay allocates it as the call did."""
 
     def __init__(self, recording: Recording, inputs: Sequence[torch.Tensor | None],
                  outputs: Sequence[torch.Tensor]):
@@ -194,7 +195,6 @@ class LaunchReplay:
         scratch_index = {id(b): i for i, b in enumerate(buffers)}
         self.outputs = tuple((o.shape, o.dtype, scratch_index.get(id(o))) for o in outputs)
         self.scratch = tuple((b.shape, b.dtype, zero) for b, zero in recording.scratch)
-        self.device = outputs[0].device
         self.current_device = torch.cuda.current_device()  # whose context the kernels were loaded in
         self.aligned = _aligned(inputs)
 
@@ -208,6 +208,7 @@ class LaunchReplay:
         buffers = {id(b) for b, _ in recording.scratch}
         launched = {id(a) for _, _, args, _ in recording.launches for a in args if isinstance(a, torch.Tensor)}
         if (not recording.launches or launch_hooks() != (None, None) or len(inputs_) < len(given)
+                or not isinstance(inputs[0], torch.Tensor) or inputs[0].device != outputs[0].device
                 or len(outputs_) < len(outputs) or inputs_ & (outputs_ | buffers)
                 or not launched <= inputs_ | outputs_ | buffers
                 or not all(_fresh(o) and (id(o) in launched or o.numel() == 0) for o in outputs)):
@@ -221,8 +222,10 @@ class LaunchReplay:
         device = torch.cuda.current_device()
         if _aligned(inputs) != self.aligned or device != self.current_device or launch_hooks() != (None, None):
             return None
-        buffers = [_allocate(shape, dtype, self.device, zero) for shape, dtype, zero in self.scratch]
-        outputs = [torch.empty(shape, dtype=dtype, device=self.device) if index is None else buffers[index]
+        like = inputs[0]  # Tensor.new_empty costs the host less than torch.empty(..., device=...)
+        buffers = [(like.new_zeros if zero else like.new_empty)(shape, dtype=dtype)
+                   for shape, dtype, zero in self.scratch]
+        outputs = [like.new_empty(shape, dtype=dtype) if index is None else buffers[index]
                    for shape, dtype, index in self.outputs]
         slots = (*inputs, *outputs, *buffers)
         stream = torch._C._cuda_getCurrentRawStream(device)

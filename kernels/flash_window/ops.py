@@ -33,19 +33,16 @@ def _window_op_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     return window_backward(grad_out, q, k, v, tiles, bias, grid, window, scale)
 
 
-def _window_setup(ctx, inputs, output, backward=None):
-    """Saves what the backward needs; ``backward``: the backward's implementation (default: the op, for
-    torch.compile; eager calls pass the plain function)."""
+def _window_setup(ctx, inputs, output):
     q, k, v, bias, mask, grid, window, scale = inputs
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(q, k, v, output[1], bias)
     ctx.geometry = (grid, window, scale)
-    ctx.backward_impl = backward or _window_op_bwd
 
 
 def _window_grad(ctx, grad_out, _grad_tiles):
     q, k, v, tiles, bias = ctx.saved_tensors
-    dqkv, dbias = ctx.backward_impl(grad_out, q, k, v, tiles, bias, *ctx.geometry)
+    dqkv, dbias = _window_op_bwd(grad_out, q, k, v, tiles, bias, *ctx.geometry)
     dq, dk, dv = dqkv.unbind(0)
     return dq, dk, dv, dbias, None, None, None, None
 
@@ -69,18 +66,16 @@ def _image_op_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, tiles: torch.Tensor
     return image_backward(grad_out, qkv, tiles, bias, kv_fill, q_scale, window, shift, scale)
 
 
-def _image_setup(ctx, inputs, output, backward=None):
-    """As _window_setup."""
+def _image_setup(ctx, inputs, output):
     qkv, bias, mask, kv_fill, q_scale, window, shift, scale = inputs
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(qkv, output[1], bias, kv_fill, q_scale)
     ctx.geometry = (window, shift, scale)
-    ctx.backward_impl = backward or _image_op_bwd
 
 
 def _image_grad(ctx, grad_out, _grad_tiles):
     qkv, tiles, bias, kv_fill, q_scale = ctx.saved_tensors
-    dqkv, dbias, dfill, dq_scale = ctx.backward_impl(grad_out, qkv, tiles, bias, kv_fill, q_scale, *ctx.geometry)
+    dqkv, dbias, dfill, dq_scale = _image_op_bwd(grad_out, qkv, tiles, bias, kv_fill, q_scale, *ctx.geometry)
     return (dqkv, dbias, None, dfill if kv_fill is not None else None, dq_scale if q_scale is not None else None,
             None, None, None)
 
@@ -95,40 +90,46 @@ def _named(op: str) -> contextlib.AbstractContextManager:
     return torch.profiler.record_function(op) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
 
 
-def _eager_window_backward(*args):
-    with _named("swin::flash_window_attn_bwd"):
-        return window_backward(*args)
-
-
-def _eager_image_backward(*args):
-    with _named("swin::flash_window_attn_image_bwd"):
-        return image_backward(*args)
-
-
 class _WindowAttention(torch.autograd.Function):
-    """The window op's forward and backward bodies with the op's autograd, without its dispatch. The context is set
-    up in forward itself: a separate setup_context makes some torch versions bind the arguments to forward's
-    signature (inspect.signature) on every call."""
+    """The window op's forward and backward bodies without its dispatch. Unlike the op it returns the output alone
+    and keeps the bias tiles on the context: a second, non-differentiable output costs autograd a zero gradient
+    and its bookkeeping on every call. The context is set up in forward itself: a separate setup_context makes
+    some torch versions bind the arguments to forward's signature (inspect.signature) on every call."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = window_forward(*inputs)
-        _window_setup(ctx, inputs, output, _eager_window_backward)
-        return output
+    def forward(ctx, q, k, v, bias, mask, grid, window, scale):
+        out, ctx.tiles = window_forward(q, k, v, bias, mask, grid, window, scale)
+        ctx.save_for_backward(q, k, v, bias)
+        ctx.geometry = (grid, window, scale)
+        return out
 
-    backward = staticmethod(_window_grad)
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, bias = ctx.saved_tensors
+        with _named("swin::flash_window_attn_bwd"):
+            dqkv, dbias = window_backward(grad_out, q, k, v, ctx.tiles, bias, *ctx.geometry)
+        dq, dk, dv = dqkv.unbind(0)
+        return dq, dk, dv, dbias, None, None, None, None
 
 
 class _ImageAttention(torch.autograd.Function):
     """As _WindowAttention, for the image op."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = image_forward(*inputs)
-        _image_setup(ctx, inputs, output, _eager_image_backward)
-        return output
+    def forward(ctx, qkv, bias, mask, kv_fill, q_scale, window, shift, scale):
+        out, ctx.tiles = image_forward(qkv, bias, mask, kv_fill, q_scale, window, shift, scale)
+        ctx.save_for_backward(qkv, bias, kv_fill, q_scale)
+        ctx.geometry = (window, shift, scale)
+        return out
 
-    backward = staticmethod(_image_grad)
+    @staticmethod
+    def backward(ctx, grad_out):
+        qkv, bias, kv_fill, q_scale = ctx.saved_tensors
+        with _named("swin::flash_window_attn_image_bwd"):
+            dqkv, dbias, dfill, dq_scale = image_backward(grad_out, qkv, ctx.tiles, bias, kv_fill, q_scale,
+                                                          *ctx.geometry)
+        return (dqkv, dbias, None, dfill if kv_fill is not None else None,
+                dq_scale if q_scale is not None else None, None, None, None)
 
 
 def _wants_grad(*tensors: torch.Tensor | None) -> bool:
@@ -143,7 +144,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
         return _window_op(q, k, v, bias, mask, grid, window, scale)[0]
     with _named("swin::flash_window_attn"):
         if _wants_grad(q, k, v, bias):
-            return _WindowAttention.apply(q, k, v, bias, mask, grid, window, scale)[0]
+            return _WindowAttention.apply(q, k, v, bias, mask, grid, window, scale)
         return window_forward(q, k, v, bias, mask, grid, window, scale)[0]
 
 
@@ -155,5 +156,5 @@ def image_attention(qkv: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor | 
         return _image_op(qkv, bias, mask, kv_fill, q_scale, window, shift, scale)[0]
     with _named("swin::flash_window_attn_image"):
         if _wants_grad(qkv, bias, kv_fill, q_scale):
-            return _ImageAttention.apply(qkv, bias, mask, kv_fill, q_scale, window, shift, scale)[0]
+            return _ImageAttention.apply(qkv, bias, mask, kv_fill, q_scale, window, shift, scale)
         return image_forward(qkv, bias, mask, kv_fill, q_scale, window, shift, scale)[0]
