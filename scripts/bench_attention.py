@@ -307,6 +307,29 @@ def calls_and_one_backward(fn: Callable[..., torch.Tensor], inputs: dict[str, to
     return run
 
 
+class _AutogradOnly(torch.autograd.Function):
+    """An op that allocates its output and its inputs' gradients and launches nothing."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v, table)
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
+def autograd_floor_us(inputs: dict[str, torch.Tensor]) -> float | None:
+    """Host µs per call of _AutogradOnly, timed as the fwd+bwd host column (HOST_CALLS calls, one backward()): what
+    any eager op with these leaves costs the host in autograd and allocations alone, a reference that moves with the
+    host as the backends' figures do (CUDA only)."""
+    run = calls_and_one_backward(lambda q, k, v, table, _: _AutogradOnly.apply(q, k, v, table), inputs, None,
+                                 contextlib.nullcontext)
+    us = host_us(run)
+    return None if us is None else us / HOST_CALLS
+
+
 def copy_bandwidth_gbs(device: torch.device, warmup: int, reps: int) -> float:
     """Device-to-device copy bandwidth: bytes read + written per second of a large tensor copy."""
     nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
@@ -556,12 +579,15 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"# window attention benchmark on {env.get('gpu', env.get('cpu'))} (torch {env['torch']}, "
           f"triton {env['triton']}{', interpreter' if env['triton_interpret'] == '1' else ''})")
     print(f"device-to-device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
-    rows = []
+    rows, floors = [], {}
     for shape in shapes:
         print(f"shape {shape.describe()}")
         for dname in dtypes:
             dtype = DTYPES[dname]
             inputs = make_inputs(shape, dtype, device, args.seed)
+            if cuda:
+                floors[f"{shape.name} {dname}"] = floor = autograd_floor_us(inputs)
+                print(f"  {dname:5s} autograd only: {floor:.0f} host µs per fwd+bwd call")
             for name in backends:
                 if name == "paper" and (shape.shifted or _paper_kernel() is None):
                     continue  # no mask in the paper's kernel; absent unless FWA_PAPER_PATH points to it
@@ -588,13 +614,14 @@ def main(argv: list[str] | None = None) -> dict:
     if suspect and env["triton_interpret"] == "1" and any(r["dtype"] == "bfloat16" for r in suspect):
         print("note: the Triton interpreter does not compute bf16 correctly; use fp32/fp16 on the CPU")
     print("\nms: median GPU time; host µs: CPU time to enqueue one eager call (an eager loop is host-bound where it "
-          f"exceeds the GPU time; fwd+bwd: per call of {HOST_CALLS} calls with one backward()); "
+          f"exceeds the GPU time; fwd+bwd: per call of {HOST_CALLS} calls with one backward(); 'autograd only' above: "
+          "the same for an op that allocates its output and gradients and launches nothing); "
           "GB/s over minimal bytes (fwd: q,k,v,o; fwd+bwd: q,k,v,o,do,dq,dk,dv); "
           "% copy: of the copy bandwidth above; peak: extra allocated memory during one call; "
           "err: max|x - ref| / max|ref| vs float64 (grads: worst of dq, dk, dv, dbias_table)")
     result = dict(env=env, copy_gbs=copy_gbs, args={k: (str(v) if isinstance(v, Path) else v)
                                                      for k, v in vars(args).items()},
-                  warmup=warmup, reps=reps, rows=rows, table=table, summary=summary,
+                  warmup=warmup, reps=reps, rows=rows, autograd_floor_us=floors, table=table, summary=summary,
                   suspect=[(r["backend"], r["shape"], r["dtype"]) for r in suspect],
                   time=time.strftime("%Y-%m-%d %H:%M:%S"))
     args.json.parent.mkdir(parents=True, exist_ok=True)
