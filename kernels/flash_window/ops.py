@@ -40,11 +40,15 @@ def _window_setup(ctx, inputs, output):
     ctx.geometry = (grid, window, scale)
 
 
-def _window_grad(ctx, grad_out, _grad_tiles):
-    q, k, v, tiles, bias = ctx.saved_tensors
-    dqkv, dbias = _window_op_bwd(grad_out, q, k, v, tiles, bias, *ctx.geometry)
+def _window_input_grads(dqkv: torch.Tensor, dbias: torch.Tensor) -> tuple:
+    """The window op's backward results as the gradients of its inputs (q, k, v, bias, mask, grid, window, scale)."""
     dq, dk, dv = dqkv.unbind(0)
     return dq, dk, dv, dbias, None, None, None, None
+
+
+def _window_grad(ctx, grad_out, _grad_tiles):
+    q, k, v, tiles, bias = ctx.saved_tensors
+    return _window_input_grads(*_window_op_bwd(grad_out, q, k, v, tiles, bias, *ctx.geometry))
 
 
 _window_op.register_autograd(_window_grad, setup_context=_window_setup)
@@ -73,11 +77,19 @@ def _image_setup(ctx, inputs, output):
     ctx.geometry = (window, shift, scale)
 
 
-def _image_grad(ctx, grad_out, _grad_tiles):
-    qkv, tiles, bias, kv_fill, q_scale = ctx.saved_tensors
-    dqkv, dbias, dfill, dq_scale = _image_op_bwd(grad_out, qkv, tiles, bias, kv_fill, q_scale, *ctx.geometry)
+def _image_input_grads(grads: tuple[torch.Tensor, ...], kv_fill: torch.Tensor | None,
+                       q_scale: torch.Tensor | None) -> tuple:
+    """The image op's backward results (dqkv, dbias, dfill, dq_scale) as the gradients of its inputs (qkv, bias,
+    mask, kv_fill, q_scale, window, shift, scale): None for an absent fill or cosine scale."""
+    dqkv, dbias, dfill, dq_scale = grads
     return (dqkv, dbias, None, dfill if kv_fill is not None else None, dq_scale if q_scale is not None else None,
             None, None, None)
+
+
+def _image_grad(ctx, grad_out, _grad_tiles):
+    qkv, tiles, bias, kv_fill, q_scale = ctx.saved_tensors
+    grads = _image_op_bwd(grad_out, qkv, tiles, bias, kv_fill, q_scale, *ctx.geometry)
+    return _image_input_grads(grads, kv_fill, q_scale)
 
 
 _image_op.register_autograd(_image_grad, setup_context=_image_setup)
@@ -107,9 +119,7 @@ class _WindowAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, bias = ctx.saved_tensors
         with _named("swin::flash_window_attn_bwd"):
-            dqkv, dbias = window_backward(grad_out, q, k, v, ctx.tiles, bias, *ctx.geometry)
-        dq, dk, dv = dqkv.unbind(0)
-        return dq, dk, dv, dbias, None, None, None, None
+            return _window_input_grads(*window_backward(grad_out, q, k, v, ctx.tiles, bias, *ctx.geometry))
 
 
 class _ImageAttention(torch.autograd.Function):
@@ -126,10 +136,8 @@ class _ImageAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         qkv, bias, kv_fill, q_scale = ctx.saved_tensors
         with _named("swin::flash_window_attn_image_bwd"):
-            dqkv, dbias, dfill, dq_scale = image_backward(grad_out, qkv, ctx.tiles, bias, kv_fill, q_scale,
-                                                          *ctx.geometry)
-        return (dqkv, dbias, None, dfill if kv_fill is not None else None,
-                dq_scale if q_scale is not None else None, None, None, None)
+            grads = image_backward(grad_out, qkv, ctx.tiles, bias, kv_fill, q_scale, *ctx.geometry)
+        return _image_input_grads(grads, kv_fill, q_scale)
 
 
 def _wants_grad(*tensors: torch.Tensor | None) -> bool:
